@@ -1,0 +1,178 @@
+"""Typed configuration: one dataclass per command, filled by YAML then CLI flags (flags win), passed down whole."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+def opt(default: Any = None, help: str = "", *, short: str | None = None, choices: list | None = None, factory=None):
+    """A config field with CLI help text; `factory` for mutable defaults."""
+    meta = {"help": help, "short": short, "choices": choices}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+class ConfigError(ValueError):
+    """Bad configuration: an unknown key, a wrong type, a missing required value."""
+
+
+def _base_type(tp):
+    """(base type, is_list) of a field annotation such as `int | None` or `list[str]`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    if origin in (list, tuple):
+        (inner,) = typing.get_args(tp)[:1] or (str,)
+        return inner, True
+    return tp, False
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one CLI flag per dataclass field (`--field-name`), all defaulting to None (= not given)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        base, is_list = _base_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        names = [flag] + ([f.metadata["short"]] if f.metadata.get("short") else [])
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        help_text = f.metadata.get("help", "")
+        if default not in (None, [], ""):
+            help_text += f" (default: {default})"
+        kw: dict[str, Any] = dict(dest=f.name, default=None, help=help_text)
+        if f.metadata.get("choices"):
+            kw["choices"] = f.metadata["choices"]
+        if base is bool:
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
+        elif is_list:
+            parser.add_argument(*names, action="append", type=base, **kw)
+        else:
+            parser.add_argument(*names, type=base if base in (int, float) else str, **kw)
+    parser.add_argument("--config", dest="_config_file", default=None,
+                        help="YAML file with the same keys as the flags (underscores or dashes); flags win")
+
+
+def _coerce(name: str, value: Any, tp) -> Any:
+    base, is_list = _base_type(tp)
+    if value is None:
+        return None
+    if is_list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        return [_coerce(name, v, base) for v in value]
+    try:
+        if base is bool:
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if base in (int, float, str):
+            return base(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"config key '{name}': expected {base.__name__}, got {value!r}") from None
+    return value
+
+
+def build_config(cls: type[T], yaml_path: str | Path | None = None, overrides: dict | None = None) -> T:
+    """Dataclass defaults <- YAML file <- overrides (non-None values only)."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    if yaml_path:
+        path = Path(yaml_path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of keys to values")
+        for k, v in loaded.items():
+            key = str(k).replace("-", "_")
+            if key not in names:
+                raise ConfigError(f"unknown key '{k}' in {path}; known keys: {', '.join(sorted(names))}")
+            values[key] = _coerce(key, v, hints[key])
+    for k, v in (overrides or {}).items():
+        if k in names and v is not None:
+            values[k] = _coerce(k, v, hints[k])
+    return cls(**values)
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
+    """Build a config from parsed CLI args (see `add_config_args`)."""
+    return build_config(cls, getattr(args, "_config_file", None), vars(args))
+
+
+def config_to_dict(cfg) -> dict:
+    """Plain dict of a config dataclass (for manifests and saved configs)."""
+    return dataclasses.asdict(cfg)
+
+
+# --------------------------------------------------------------------------------------------- commands
+
+DEFAULT_VERIFIER = "smollm2-135m"
+
+
+@dataclasses.dataclass
+class PrepareConfig:
+    """`paradraft prepare`: chat data -> tokenized samples with the assistant loss mask."""
+
+    data: list[str] = opt(factory=lambda: ["sharegpt"], help="data source (repeatable): sharegpt | humaneval | "
+                          "chitchat | FILE.json[l] (ShareGPT or messages) | DIR saved by datasets.save_to_disk")
+    output: str = opt("runs/data", help="output directory", short="-o")
+    verifier: str = opt(DEFAULT_VERIFIER, help="verifier whose tokenizer and chat template are used")
+    seq_length: int = opt(2048, help="truncate samples to this many tokens")
+    max_samples: int | None = opt(None, help="keep at most this many samples (after the seeded shuffle)")
+    seed: int = opt(0, help="seed of the deterministic shuffle")
+    val_fraction: float = opt(0.02, help="held-out fraction for validation and benchmarks")
+    last_turn_only: bool = opt(False, help="train only on the last assistant turn")
+    chat_template: str | None = opt(None, help="Jinja chat template file, for tokenizers without one")
+    preview: int = opt(0, help="print N samples with the trained (loss-masked) text highlighted")
+    overwrite: bool = opt(False, help="replace an output directory that holds a different dataset")
+
+
+@dataclasses.dataclass
+class RegenerateConfig:
+    """`paradraft regenerate`: the verifier writes fresh answers to the user turns (on-policy data)."""
+
+    data: list[str] = opt(factory=lambda: ["sharegpt"], help="data source (repeatable), as for prepare")
+    output: str = opt("runs/regenerated.jsonl", help="output messages JSONL (appended; rerun resumes)", short="-o")
+    verifier: str = opt(DEFAULT_VERIFIER, help="verifier that writes the answers")
+    endpoint: str | None = opt(None, help="OpenAI-compatible server URL (e.g. vLLM http://host:8000/v1) "
+                               "instead of the local model")
+    model_name: str | None = opt(None, help="model name sent to --endpoint (default: the verifier name)")
+    max_samples: int | None = opt(None, help="regenerate at most this many conversations (after the shuffle)")
+    max_turns: int = opt(1, help="regenerate the first N user turns of each conversation")
+    max_new_tokens: int = opt(256, help="longest answer per turn")
+    max_prompt_tokens: int = opt(1024, help="skip conversations whose prompt is longer")
+    temperature: float = opt(0.0, help="0 = greedy")
+    top_p: float = opt(1.0, help="nucleus sampling")
+    batch_size: int = opt(8, help="conversations generated together")
+    seed: int = opt(0, help="seed of the shuffle and of sampling")
+    dtype: str = opt("bfloat16", help="verifier dtype", choices=["bfloat16", "float32"])
+    timeout: float = opt(300.0, help="HTTP timeout per request with --endpoint (seconds)")
+
+
+@dataclasses.dataclass
+class VocabConfig:
+    """`paradraft vocab`: draft vocabulary (d2t, t2d) from the token frequencies of prepared data."""
+
+    data: list[str] = opt(factory=lambda: ["runs/data"], help="prepared data directory (repeatable, counts add up)")
+    output: str = opt("runs/vocab.safetensors", help="output file", short="-o")
+    size: int = opt(8192, help="draft vocabulary size")
+    fill: bool = opt(False, help="pad with the next ids in tokenizer order when fewer tokens were seen")
+    verifier: str | None = opt(None, help="verifier (default: the one the data was prepared for)")

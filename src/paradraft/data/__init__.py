@@ -1,0 +1,1 @@
+"""Data: sources, chat templates and loss masks, prepared datasets, regeneration, draft vocabulary."""

@@ -1,0 +1,208 @@
+"""`paradraft prepare`: chat data -> tokenized samples + assistant loss mask, memory-mappable on disk.
+
+Layout of a prepared directory (all numpy `.npy`, opened with mmap):
+  input_ids.npy  int32 [total_tokens]     every sample's tokens, concatenated
+  loss_mask.npy  uint8 [total_tokens]     1 = assistant token (trained)
+  offsets.npy    int64 [num_samples + 1]  sample i is [offsets[i], offsets[i+1])
+  split.npy      uint8 [num_samples]      0 = train, 1 = validation
+  token_freqs.npy int64 [vocab_size]      counts of loss-masked tokens of the train split
+  sample_ids.json, manifest.json
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from ..config import PrepareConfig, config_to_dict
+from ..utils import atomic_dir, fingerprint, read_json, write_json
+from .sources import Skip, read_source, source_fingerprint
+from .template import TemplateError, segment_conversation, set_chat_template, template_info, tokenize_segments
+
+FORMAT_VERSION = 1
+
+
+class DatasetExistsError(FileExistsError):
+    """The output directory holds a different dataset."""
+
+
+def _identity(cfg: PrepareConfig, tokenizer) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "sources": [source_fingerprint(s) for s in cfg.data],
+        "verifier": cfg.verifier, "seq_length": cfg.seq_length, "max_samples": cfg.max_samples, "seed": cfg.seed,
+        "val_fraction": cfg.val_fraction, "last_turn_only": cfg.last_turn_only,
+        "chat_template": fingerprint(tokenizer.chat_template),
+    }
+
+
+def prepare(cfg: PrepareConfig, tokenizer=None) -> dict:
+    """Run `prepare`; return the manifest. Reuses an identical finished dataset in `cfg.output`."""
+    if tokenizer is None:
+        from ..verifier import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.verifier)
+    set_chat_template(tokenizer, cfg.chat_template)
+    if not 0.0 <= cfg.val_fraction < 1.0:
+        raise ValueError(f"--val-fraction must be in [0, 1), got {cfg.val_fraction}")
+    if cfg.seq_length < 2:
+        raise ValueError("--seq-length must be at least 2")
+    info = template_info(tokenizer)
+    identity = _identity(cfg, tokenizer)
+    out = Path(cfg.output)
+    if (out / "manifest.json").is_file():
+        old = read_json(out / "manifest.json")
+        if old.get("identity") == identity:
+            print(f"[prepare] {out} already holds this dataset ({old['num_samples']} samples); reusing it")
+            if cfg.preview:
+                preview(out, tokenizer, cfg.preview)
+            return old
+        if not cfg.overwrite:
+            raise DatasetExistsError(f"{out} holds a different dataset; pass --overwrite to replace it")
+    elif out.exists() and any(out.iterdir()) and not cfg.overwrite:
+        raise DatasetExistsError(f"{out} exists and is not a prepared dataset; pass --overwrite to replace it")
+
+    t0 = time.time()
+    skipped: Counter = Counter()
+    convs: list[dict] = []
+    for spec in cfg.data:
+        for item in tqdm(read_source(spec), desc=f"read {spec}", unit=" conv", leave=False, disable=None):
+            if isinstance(item, Skip):
+                skipped[item.reason] += 1
+            else:
+                convs.append(item)
+    random.Random(cfg.seed).shuffle(convs)
+
+    samples: list[tuple[str, list[int], list[int]]] = []
+    limit = cfg.max_samples if cfg.max_samples is not None else len(convs)
+    chunk = 256
+    bar = tqdm(total=min(limit, len(convs)), desc="prepare", unit=" sample", disable=None)
+    pos = 0
+    while pos < len(convs) and len(samples) < limit:
+        batch = convs[pos:pos + chunk]
+        pos += len(batch)
+        segmented, kept = [], []
+        for conv in batch:
+            try:
+                segmented.append(segment_conversation(tokenizer, info, conv["messages"]))
+                kept.append(conv)
+            except TemplateError:
+                skipped["template_mismatch"] += 1
+            except Exception:  # jinja raising on a conversation it rejects (e.g. role order)
+                skipped["template_error"] += 1
+        for conv, (ids, mask) in zip(kept, tokenize_segments(tokenizer, segmented, cfg.last_turn_only)):
+            ids, mask = ids[:cfg.seq_length], mask[:cfg.seq_length]
+            if not any(mask[1:]):  # position 0 is never predicted
+                skipped["empty_loss_mask_after_truncation"] += 1
+                continue
+            if len(samples) < limit:
+                samples.append((conv["id"], ids, mask))
+                bar.update(1)
+    bar.close()
+    if not samples:
+        raise ValueError(f"no usable samples in {cfg.data}; skipped: {dict(skipped)}")
+
+    n = len(samples)
+    n_val = int(round(n * cfg.val_fraction)) if cfg.val_fraction > 0 else 0
+    if cfg.val_fraction > 0 and n >= 2:
+        n_val = max(1, n_val)
+    n_val = min(n_val, n - 1)
+    lengths = np.array([len(s[1]) for s in samples], dtype=np.int64)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    input_ids = np.fromiter((t for s in samples for t in s[1]), dtype=np.int32, count=int(offsets[-1]))
+    loss_mask = np.fromiter((m for s in samples for m in s[2]), dtype=np.uint8, count=int(offsets[-1]))
+    split = np.zeros(n, dtype=np.uint8)
+    split[n - n_val:] = 1
+    vocab_size = max(len(tokenizer), int(input_ids.max()) + 1)
+    train_end = int(offsets[n - n_val])
+    train_ids = input_ids[:train_end][loss_mask[:train_end].astype(bool)]
+    freqs = np.bincount(train_ids, minlength=vocab_size).astype(np.int64)
+
+    manifest = {
+        "num_samples": n, "num_train": n - n_val, "num_val": n_val,
+        "num_tokens": int(offsets[-1]), "num_loss_tokens": int(loss_mask.sum()),
+        "skipped": dict(sorted(skipped.items())), "verifier": cfg.verifier, "seq_length": cfg.seq_length,
+        "sources": list(cfg.data), "vocab_size": vocab_size,
+        "template": {"assistant_header": info.header, "end_of_turn": info.end_of_turn},
+        "config": config_to_dict(cfg), "identity": identity, "seconds": round(time.time() - t0, 2),
+    }
+    with atomic_dir(out, overwrite=True) as tmp:
+        np.save(tmp / "input_ids.npy", input_ids)
+        np.save(tmp / "loss_mask.npy", loss_mask)
+        np.save(tmp / "offsets.npy", offsets)
+        np.save(tmp / "split.npy", split)
+        np.save(tmp / "token_freqs.npy", freqs)
+        write_json(tmp / "sample_ids.json", [s[0] for s in samples], indent=0)
+        write_json(tmp / "manifest.json", manifest)  # written last: its presence marks a complete dataset
+    print(f"[prepare] {n} samples ({n - n_val} train, {n_val} val), {manifest['num_tokens']} tokens, "
+          f"{manifest['num_loss_tokens']} trained, in {manifest['seconds']} s -> {out}")
+    if skipped:
+        print("[prepare] skipped: " + ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())))
+    if cfg.preview:
+        preview(out, tokenizer, cfg.preview)
+    return manifest
+
+
+class PreparedDataset:
+    """Read-only, memory-mapped view of a prepared directory."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not (self.path / "manifest.json").is_file():
+            raise FileNotFoundError(f"{self.path} is not a prepared dataset (no manifest.json); run `paradraft prepare`")
+        self.manifest = read_json(self.path / "manifest.json")
+        self.input_ids = np.load(self.path / "input_ids.npy", mmap_mode="r")
+        self.loss_mask = np.load(self.path / "loss_mask.npy", mmap_mode="r")
+        self.offsets = np.load(self.path / "offsets.npy")
+        self.split = np.load(self.path / "split.npy")
+        self._ids: list[str] | None = None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def sample_ids(self) -> list[str]:
+        """Sample ids, in storage order."""
+        if self._ids is None:
+            self._ids = read_json(self.path / "sample_ids.json")
+        return self._ids
+
+    def indices(self, split: str = "train") -> np.ndarray:
+        """Sample indices of 'train', 'val' or 'all'."""
+        if split == "all":
+            return np.arange(len(self))
+        return np.nonzero(self.split == (1 if split == "val" else 0))[0]
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids int64 [T], loss_mask bool [T]) of sample i."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return np.asarray(self.input_ids[a:b], dtype=np.int64), np.asarray(self.loss_mask[a:b], dtype=bool)
+
+    def token_freqs(self) -> np.ndarray:
+        """Counts of loss-masked train tokens [vocab_size]."""
+        return np.load(self.path / "token_freqs.npy")
+
+
+def preview(path: str | Path, tokenizer, n: int, stream=None) -> None:
+    """Print n samples with the loss-masked text highlighted (green on a terminal, [[brackets]] otherwise)."""
+    stream = stream or sys.stdout
+    ds = PreparedDataset(path)
+    color = stream.isatty()
+    on, off = ("\x1b[32m", "\x1b[0m") if color else ("[[", "]]")
+    for i in range(min(n, len(ds))):
+        ids, mask = ds.sample(i)
+        pieces, start = [], 0
+        for j in range(1, len(ids) + 1):
+            if j == len(ids) or mask[j] != mask[start]:
+                text = tokenizer.decode(ids[start:j].tolist())
+                pieces.append(f"{on}{text}{off}" if mask[start] else text)
+                start = j
+        stream.write(f"----- sample {i} ({ds.sample_ids[i]}, {len(ids)} tokens, {int(mask.sum())} trained)\n")
+        stream.write("".join(pieces) + "\n")

@@ -1,0 +1,156 @@
+"""`paradraft regenerate`: the verifier answers the user turns itself, so the drafter learns on-policy text.
+
+Output: messages JSONL (`{"id", "messages"}`), the format `prepare` reads. Appends one line per finished
+conversation; a rerun skips ids already present (resumable). `--endpoint` sends the same chat requests to any
+OpenAI-compatible server (e.g. `vllm serve`) instead of running the local model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..config import RegenerateConfig
+from .sources import Skip, read_source
+
+
+class EndpointError(RuntimeError):
+    """The OpenAI-compatible server refused or failed a request."""
+
+
+def done_ids(path: Path) -> set[str]:
+    """Ids already written; a torn last line from a killed run is cut off."""
+    if not path.is_file():
+        return set()
+    ids, good_end = set(), 0
+    with open(path, "rb") as fh:
+        data = fh.read()
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        try:
+            ids.add(json.loads(line)["id"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            break
+        good_end += len(line)
+    if good_end < len(data):
+        with open(path, "r+b") as fh:
+            fh.truncate(good_end)
+    return ids
+
+
+def chat_endpoint(url: str, model: str, messages: list[dict], cfg: RegenerateConfig) -> str:
+    """One chat completion from an OpenAI-compatible server."""
+    body = {"model": model, "messages": messages, "max_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+    req = urllib.request.Request(url.rstrip("/") + "/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=cfg.timeout) as resp:
+            reply = json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        raise EndpointError(f"{url}: HTTP {e.code}: {e.read()[:300]!r}") from None
+    except urllib.error.URLError as e:
+        raise EndpointError(f"{url}: {e.reason}") from None
+    try:
+        return reply["choices"][0]["message"]["content"] or ""
+    except (KeyError, IndexError, TypeError):
+        raise EndpointError(f"{url}: unexpected reply {str(reply)[:300]}") from None
+
+
+class LocalGenerator:
+    """Batched generation with the verifier itself (left padding, greedy or sampled)."""
+
+    def __init__(self, cfg: RegenerateConfig, model=None, tokenizer=None):
+        if model is None:
+            from ..verifier import load_verifier
+
+            model, tokenizer = load_verifier(cfg.verifier, dtype=cfg.dtype)
+        self.model, self.tok, self.cfg = model, tokenizer, cfg
+        self.tok.padding_side = "left"
+        if self.tok.pad_token_id is None:
+            self.tok.pad_token = self.tok.eos_token
+
+    @torch.inference_mode()
+    def __call__(self, conversations: list[list[dict]]) -> list[str]:
+        texts = [self.tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
+        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        sample = self.cfg.temperature > 0
+        out = self.model.generate(
+            **enc, max_new_tokens=self.cfg.max_new_tokens, do_sample=sample,
+            temperature=self.cfg.temperature if sample else None, top_p=self.cfg.top_p if sample else None,
+            top_k=None, pad_token_id=self.tok.pad_token_id)
+        new = out[:, enc["input_ids"].shape[1]:]
+        return [self.tok.decode(row, skip_special_tokens=True).strip() for row in new]
+
+
+def regenerate(cfg: RegenerateConfig, generator=None) -> dict:
+    """Run `regenerate`; returns counts."""
+    out = Path(cfg.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    finished = done_ids(out)
+    skipped: dict[str, int] = {}
+    convs = []
+    for spec in cfg.data:
+        for item in read_source(spec):
+            if isinstance(item, Skip):
+                skipped[item.reason] = skipped.get(item.reason, 0) + 1
+            else:
+                convs.append(item)
+    random.Random(cfg.seed).shuffle(convs)
+    if cfg.max_samples is not None:
+        convs = convs[:cfg.max_samples]
+    todo = [c for c in convs if c["id"] not in finished]
+    torch.manual_seed(cfg.seed)
+    if generator is None:
+        if cfg.endpoint:
+            model = cfg.model_name or cfg.verifier
+            pool = ThreadPoolExecutor(max_workers=max(1, cfg.batch_size))
+
+            def generator(batch):
+                return list(pool.map(lambda m: chat_endpoint(cfg.endpoint, model, m, cfg), batch))
+        else:
+            generator = LocalGenerator(cfg)
+    tok_count = getattr(getattr(generator, "tok", None), "encode", None)
+
+    bar = tqdm(total=len(todo), desc="regenerate", unit=" conv", disable=None)
+    t0, new_tokens, written = time.time(), 0, 0
+    with open(out, "a", encoding="utf-8") as fh:
+        for b in range(0, len(todo), cfg.batch_size):
+            batch = todo[b:b + cfg.batch_size]
+            # keep the system turn and the first `max_turns` user turns; answers come from the verifier
+            prefixes = []
+            for c in batch:
+                prefixes.append([m for m in c["messages"] if m["role"] == "system"][:1])
+            users = [[m for m in c["messages"] if m["role"] == "user"][:cfg.max_turns] for c in batch]
+            for turn in range(cfg.max_turns):
+                active = [i for i in range(len(batch)) if turn < len(users[i])]
+                if not active:
+                    break
+                for i in active:
+                    prefixes[i].append(users[i][turn])
+                answers = generator([prefixes[i] for i in active])
+                for i, ans in zip(active, answers):
+                    prefixes[i].append({"role": "assistant", "content": ans})
+                    new_tokens += len(tok_count(ans)) if tok_count else len(ans.split())
+            for c, msgs in zip(batch, prefixes):
+                fh.write(json.dumps({"id": c["id"], "messages": msgs}, ensure_ascii=False) + "\n")
+                written += 1
+            fh.flush()
+            os.fsync(fh.fileno())
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{new_tokens / max(1e-9, time.time() - t0):.1f}")
+    bar.close()
+    result = {"written": written, "already_done": len(convs) - len(todo), "skipped": skipped,
+              "new_tokens": new_tokens, "seconds": round(time.time() - t0, 2)}
+    print(f"[regenerate] {written} new, {result['already_done']} already done -> {out}")
+    return result

