@@ -1,0 +1,113 @@
+"""The ONE attention rule of drafting, and its two backends.
+
+Every drafter token is an *element* (anchor a, depth d, document doc):
+  depth 0      the context: the drafter slot at sequence position a (real token + verifier hidden state);
+  depth d >= 1 the d-th token drafted ahead from anchor a (P-EAGLE: mask token + mask_hidden;
+               EAGLE-3 training-time test: unroll step d).
+Rule: element (a, d) may attend to
+  - every depth-0 element at anchor <= a in the same document, and
+  - the elements of its own chain (same anchor, same document) with depth <= d.
+Nothing else. With only depth-0 elements this is plain causal attention within documents.
+
+The same rule drives: training (dense SDPA mask on CPU, flex_attention block mask on GPU), inference with a KV
+cache (the cache keeps each element's anchor/depth/doc), the tests and the benchmarks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def may_attend(q_anchor, q_depth, q_doc, k_anchor, k_depth, k_doc):
+    """The rule, elementwise and broadcastable (works on tensors and inside flex-attention mask_mods)."""
+    context = (k_depth == 0) & (k_anchor <= q_anchor)
+    chain = (k_anchor == q_anchor) & (k_depth <= q_depth)
+    return (q_doc == k_doc) & (context | chain)
+
+
+@dataclass
+class Elements:
+    """Per-element metadata [N] each: anchor position, depth, document id."""
+
+    anchor: torch.Tensor  # [N] int64
+    depth: torch.Tensor  # [N] int64
+    doc: torch.Tensor  # [N] int64
+
+    def __len__(self) -> int:
+        return int(self.anchor.shape[0])
+
+    @staticmethod
+    def cat(parts: list["Elements"]) -> "Elements":
+        """Concatenate element lists."""
+        return Elements(torch.cat([p.anchor for p in parts]), torch.cat([p.depth for p in parts]),
+                        torch.cat([p.doc for p in parts]))
+
+    def slice(self, start: int, end: int | None = None) -> "Elements":
+        """Elements [start:end]."""
+        return Elements(self.anchor[start:end], self.depth[start:end], self.doc[start:end])
+
+    def to(self, device) -> "Elements":
+        return Elements(self.anchor.to(device), self.depth.to(device), self.doc.to(device))
+
+
+def dense_mask(q: Elements, k: Elements) -> torch.Tensor:
+    """Bool mask [Nq, Nk], True = may attend."""
+    return may_attend(q.anchor[:, None], q.depth[:, None], q.doc[:, None],
+                      k.anchor[None, :], k.depth[None, :], k.doc[None, :])
+
+
+def parallel_draft_mask(anchor_pos: torch.Tensor, depth: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """Bool [N, N] mask (True = may attend) of P-EAGLE training elements; document_ids is per position [T]."""
+    e = Elements(anchor_pos, depth, document_ids[anchor_pos])
+    return dense_mask(e, e)
+
+
+def flex_mask_mod(q: Elements, k: Elements):
+    """flex_attention `mask_mod` implementing the same rule (indices into the element lists)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return may_attend(q.anchor[q_idx], q.depth[q_idx], q.doc[q_idx], k.anchor[kv_idx], k.depth[kv_idx], k.doc[kv_idx])
+
+    return mask_mod
+
+
+def _gqa_expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+    # x [B, KVH, N, D] -> [B, KVH * groups, N, D]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+_compiled_flex = None
+
+
+def attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q: Elements, k: Elements,
+              backend: str = "sdpa", scale: float | None = None, query_block: int = 2048) -> torch.Tensor:
+    """Masked attention by the rule. qh [1, H, Nq, D], kh/vh [1, KVH, Nk, D] -> [1, H, Nq, D].
+
+    backend "sdpa": dense boolean mask, built per block of `query_block` queries so the mask never holds more than
+    query_block x Nk entries (the CPU path; flex_attention has no CPU backward).
+    backend "flex": flex_attention with a block mask from `flex_mask_mod` (the GPU path; compiled off-CPU).
+    """
+    groups = qh.shape[1] // kh.shape[1]
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        global _compiled_flex
+        fn = flex_attention
+        if qh.is_cuda:
+            if _compiled_flex is None:
+                _compiled_flex = torch.compile(flex_attention, dynamic=True)
+            fn = _compiled_flex
+        block = create_block_mask(flex_mask_mod(q, k), None, None, qh.shape[2], kh.shape[2], device=qh.device)
+        return fn(qh, kh, vh, block_mask=block, scale=scale, enable_gqa=groups > 1)
+    if backend != "sdpa":
+        raise ValueError(f"unknown attention backend {backend!r} (sdpa | flex)")
+    kh, vh = _gqa_expand(kh, groups), _gqa_expand(vh, groups)
+    outs = []
+    for s in range(0, qh.shape[2], query_block):
+        qb = q.slice(s, s + query_block)
+        m = dense_mask(qb, k)  # [nq, Nk]
+        outs.append(F.scaled_dot_product_attention(qh[:, :, s:s + query_block], kh, vh, attn_mask=m, scale=scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

@@ -1,0 +1,210 @@
+"""Drafter checkpoints in the speculators / vLLM format: `config.json` + `model.safetensors` (+ provenance.json).
+
+config.json keys vLLM reads: speculators_model_type ("peagle" | "eagle3"), architectures, transformer_layer_config
+(the draft layer's HF config; num_hidden_layers = draft layers, vocab_size = verifier vocab), draft_vocab_size,
+target_hidden_size, norm_before_residual, eagle_aux_hidden_state_layer_ids, mask_token_id (peagle), and
+speculators_config {algorithm, proposal_methods [{proposal_type greedy, speculative_tokens K}],
+default_proposal_method, verifier {name_or_path, architectures}}. paradraft adds its own full config under
+"paradraft" for an exact reload.
+
+Weights: fc.weight, layers.N.*, norm.weight, lm_head.weight, d2t, t2d, embed_tokens.weight (always written: a
+P-EAGLE drafter's trained mask row lives there, and vLLM would otherwise share the verifier's), mask_hidden [1, 3Hv].
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..utils import atomic_dir, read_json, write_json
+from .common import DraftConfig, DraftModel
+
+ARCHITECTURES = {"peagle": "PEagleSpeculator", "eagle3": "Eagle3Speculator"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or does not fit the verifier."""
+
+
+def build_drafter(cfg: DraftConfig) -> DraftModel:
+    """An untrained drafter of cfg.algorithm."""
+    if cfg.algorithm == "peagle":
+        from .peagle import PEagleDrafter
+
+        return PEagleDrafter(cfg)
+    if cfg.algorithm == "eagle3":
+        from .eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter(cfg)
+    raise CheckpointError(f"unknown drafter algorithm {cfg.algorithm!r} (peagle | eagle3)")
+
+
+def speculators_config(cfg: DraftConfig) -> dict:
+    """The config.json dict vLLM reads."""
+    layer = cfg.hf_layer_config().to_dict()
+    layer.pop("transformers_version", None)
+    layer["rope_theta"] = cfg.rope_parameters.get("rope_theta")  # for readers that predate rope_parameters
+    layer["architectures"] = ["LlamaForCausalLM" if cfg.flavour == "llama" else "Qwen3ForCausalLM"]
+    out = {
+        "architectures": [ARCHITECTURES[cfg.algorithm]],
+        "speculators_model_type": cfg.algorithm,
+        "speculators_version": "0.6.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.verifier_hidden,
+        "norm_before_residual": cfg.norm_before_residual,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "speculators_config": {
+            "algorithm": cfg.algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.num_speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": cfg.verifier, "architectures": list(cfg.verifier_architectures)},
+        },
+        "torch_dtype": "float32",
+        "paradraft": cfg.to_dict(),
+    }
+    if cfg.algorithm == "peagle":
+        out["mask_token_id"] = cfg.mask_token_id
+        out["parallel_drafting"] = True
+    return out
+
+
+def _git_sha() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(extra: dict | None = None) -> dict:
+    """Command, versions and git SHA of the run that wrote a checkpoint."""
+    import transformers
+
+    from .. import __version__
+
+    return {"command": " ".join(sys.argv), "paradraft": __version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": sys.version.split()[0], "git_sha": _git_sha(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **(extra or {})}
+
+
+def drafter_state_dict(model: DraftModel, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Weights under the names vLLM reads (the P-EAGLE mask row folded into embed_tokens.weight)."""
+    sd = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
+    if "mask_embedding" in sd:
+        emb = sd["embed_tokens.weight"].clone()
+        emb[model.cfg.mask_token_id] = sd.pop("mask_embedding").to(emb.dtype)
+        sd["embed_tokens.weight"] = emb
+    out = {}
+    for k, v in sd.items():
+        v = v.contiguous()
+        out[k] = v.to(dtype) if dtype is not None and v.is_floating_point() else v
+    return out
+
+
+def save_drafter(model: DraftModel, path: str | Path, extra_provenance: dict | None = None,
+                 dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + model.safetensors + provenance.json atomically into `path`."""
+    path = Path(path)
+    cfg = speculators_config(model.cfg)
+    if dtype is not None:
+        cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    with atomic_dir(path, overwrite=True) as tmp:
+        save_file(drafter_state_dict(model, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_json(tmp / "provenance.json", provenance(extra_provenance))
+        write_json(tmp / "config.json", cfg)
+    return path
+
+
+def config_from_speculators(cfg_json: dict) -> DraftConfig:
+    """DraftConfig from a speculators-format config.json (ours or another tool's)."""
+    if "paradraft" in cfg_json:
+        return DraftConfig(**cfg_json["paradraft"])
+    algo = cfg_json.get("speculators_model_type")
+    if algo not in ARCHITECTURES:
+        raise CheckpointError(f"speculators_model_type {algo!r} is not one of {sorted(ARCHITECTURES)}")
+    layer = cfg_json.get("transformer_layer_config") or {}
+    spec = cfg_json.get("speculators_config") or {}
+    methods = spec.get("proposal_methods") or [{}]
+    H = layer["hidden_size"]
+    heads = layer["num_attention_heads"]
+    rope = layer.get("rope_parameters") or {"rope_type": "default", "rope_theta": layer.get("rope_theta", 10000.0)}
+    if layer.get("rope_scaling"):
+        rope = {**layer["rope_scaling"], "rope_theta": layer.get("rope_theta", 10000.0)}
+        rope["rope_type"] = rope.get("rope_type") or rope.get("type", "default")
+    ids = cfg_json.get("eagle_aux_hidden_state_layer_ids")
+    return DraftConfig(
+        algorithm=algo, flavour="qwen3" if layer.get("model_type") == "qwen3" else "llama", hidden_size=H,
+        intermediate_size=layer["intermediate_size"], num_attention_heads=heads,
+        num_key_value_heads=layer.get("num_key_value_heads") or heads, head_dim=layer.get("head_dim") or H // heads,
+        num_layers=layer.get("num_hidden_layers", 1), rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+        rope_parameters=dict(rope), max_position_embeddings=layer.get("max_position_embeddings", 8192),
+        vocab_size=layer["vocab_size"], draft_vocab_size=cfg_json.get("draft_vocab_size") or layer["vocab_size"],
+        aux_layer_ids=list(ids) if ids else [], target_hidden_size=cfg_json.get("target_hidden_size"),
+        norm_before_residual=cfg_json.get("norm_before_residual", algo == "eagle3"),
+        mask_token_id=cfg_json.get("mask_token_id"),
+        num_speculative_tokens=methods[0].get("speculative_tokens", 7),
+        verifier=(spec.get("verifier") or {}).get("name_or_path", ""),
+        verifier_architectures=list((spec.get("verifier") or {}).get("architectures") or []))
+
+
+def load_drafter(path: str | Path, verifier=None, verifier_name: str | None = None, force: bool = False,
+                 device: str = "cpu") -> DraftModel:
+    """Load a drafter; with `verifier` given, check it fits (and take the verifier's embeddings if none saved)."""
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise CheckpointError(f"{path} is not a drafter checkpoint (needs config.json and model.safetensors)")
+    cfg = config_from_speculators(read_json(path / "config.json"))
+    if verifier is not None:
+        check_compatible(cfg, verifier.config, verifier_name, force)
+        if not cfg.aux_layer_ids:
+            from ..verifier import default_aux_layers
+
+            cfg.aux_layer_ids = default_aux_layers(verifier.config.num_hidden_layers)
+    model = build_drafter(cfg)
+    sd = load_file(str(path / "model.safetensors"))
+    if "embed_tokens.weight" not in sd:
+        if verifier is None:
+            raise CheckpointError(f"{path} has no embed_tokens.weight; load it with its verifier")
+        sd["embed_tokens.weight"] = verifier.get_input_embeddings().weight.detach().float()
+    if cfg.algorithm == "peagle":
+        sd["mask_embedding"] = sd["embed_tokens.weight"][cfg.mask_token_id].clone()
+        if sd["mask_hidden"].dim() == 3:
+            sd["mask_hidden"] = sd["mask_hidden"].reshape(1, -1)
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        sd.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        sd.setdefault("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+    missing, unexpected = model.load_state_dict({k: v for k, v in sd.items()}, strict=False)
+    missing = [m for m in missing if not m.startswith("rotary.")]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: weights do not match the config: missing {missing}, unexpected {unexpected}")
+    model.d2t = model.d2t.long()
+    model.t2d = model.t2d.bool()
+    return model.to(device).float()
+
+
+def check_compatible(cfg: DraftConfig, vcfg, verifier_name: str | None = None, force: bool = False) -> None:
+    """Raise CheckpointError listing every way the drafter does not fit this verifier."""
+    problems = []
+    if cfg.verifier_hidden != vcfg.hidden_size:
+        problems.append(f"hidden size: drafter expects {cfg.verifier_hidden}, verifier has {vcfg.hidden_size}")
+    if cfg.vocab_size != vcfg.vocab_size:
+        problems.append(f"vocabulary: drafter has {cfg.vocab_size} tokens, verifier has {vcfg.vocab_size}")
+    bad = [i for i in cfg.aux_layer_ids if not 0 <= i <= vcfg.num_hidden_layers]
+    if bad:
+        problems.append(f"aux layer ids {bad} do not exist in a {vcfg.num_hidden_layers}-layer verifier")
+    if problems:
+        raise CheckpointError("drafter does not fit the verifier: " + "; ".join(problems))
+    recorded = os.path.basename(str(cfg.verifier).rstrip("/"))
+    given = os.path.basename(str(getattr(vcfg, "_name_or_path", "") or verifier_name or "").rstrip("/"))
+    if recorded and given and recorded != given and not force:
+        raise CheckpointError(f"drafter was trained for verifier {cfg.verifier!r}, not {given!r}; "
+                              f"pass --force to use it anyway")

@@ -1,0 +1,301 @@
+"""The draft model EAGLE-3 and P-EAGLE share.
+
+  fc            Linear(3H -> H, no bias): projects the concatenated verifier aux hidden states
+  layers[0]     attention q/k/v take 2H = concat(input_layernorm(token embedding), hidden_norm(hidden));
+                the residual is the hidden part (normalized first when norm_before_residual)
+  layers[1:]    plain Llama / Qwen3 decoder layers
+  norm          final RMSNorm; lm_head over the draft vocabulary; d2t / t2d map draft <-> target ids
+  embed_tokens  the verifier's token embeddings (frozen); P-EAGLE trains one extra row, the mask token
+
+Parameter names are the ones vLLM's EAGLE-3 / P-EAGLE loader reads, so `state_dict()` is the checkpoint.
+Every forward works on a flat list of N *elements* (see attention.py) with explicit position ids; a
+`DraftCache` keeps the keys/values of elements already processed (inference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Elements, attention
+
+FLAVOURS = ("llama", "qwen3")
+
+
+@dataclass
+class DraftConfig:
+    """Architecture of a drafter; follows the verifier's layer config."""
+
+    algorithm: str = "peagle"  # "peagle" | "eagle3"
+    flavour: str = "llama"  # "llama" | "qwen3" (q/k RMSNorm per head)
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int = 64
+    num_layers: int = 1
+    rms_norm_eps: float = 1e-5
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 8192
+    vocab_size: int = 49152  # the verifier's vocabulary
+    draft_vocab_size: int = 8192
+    aux_layer_ids: list[int] = field(default_factory=lambda: [2, 15, 27])
+    target_hidden_size: int | None = None  # verifier hidden size when it differs from the drafter's
+    norm_before_residual: bool = False
+    mask_token_id: int | None = None  # P-EAGLE
+    num_speculative_tokens: int = 7
+    verifier: str = ""  # name_or_path vLLM opens
+    verifier_architectures: list[str] = field(default_factory=list)
+    tie_word_embeddings: bool = False
+
+    @property
+    def verifier_hidden(self) -> int:
+        return self.target_hidden_size or self.hidden_size
+
+    @classmethod
+    def from_verifier(cls, vcfg, **overrides) -> "DraftConfig":
+        """Draft config following a verifier's HF config (heads, KV heads, head_dim, rope, eps)."""
+        from ..verifier import SUPPORTED_ARCHITECTURES, default_aux_layers
+
+        mtype = getattr(vcfg, "model_type", "llama")
+        rope = getattr(vcfg, "rope_parameters", None) or {"rope_type": "default",
+                                                         "rope_theta": getattr(vcfg, "rope_theta", 10000.0)}
+        kw = dict(
+            flavour=SUPPORTED_ARCHITECTURES.get(mtype, "llama"),
+            hidden_size=vcfg.hidden_size, intermediate_size=vcfg.intermediate_size,
+            num_attention_heads=vcfg.num_attention_heads,
+            num_key_value_heads=getattr(vcfg, "num_key_value_heads", None) or vcfg.num_attention_heads,
+            head_dim=getattr(vcfg, "head_dim", None) or vcfg.hidden_size // vcfg.num_attention_heads,
+            rms_norm_eps=vcfg.rms_norm_eps, rope_parameters=dict(rope),
+            max_position_embeddings=vcfg.max_position_embeddings, vocab_size=vcfg.vocab_size,
+            aux_layer_ids=default_aux_layers(vcfg.num_hidden_layers),
+            verifier=getattr(vcfg, "_name_or_path", "") or "",
+            verifier_architectures=list(getattr(vcfg, "architectures", None) or []),
+        )
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def hf_layer_config(self):
+        """The draft layer's Hugging Face config (vLLM's `transformer_layer_config`)."""
+        from transformers import LlamaConfig, Qwen3Config
+
+        cls = Qwen3Config if self.flavour == "qwen3" else LlamaConfig
+        return cls(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                   num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                   head_dim=self.head_dim, num_hidden_layers=self.num_layers, rms_norm_eps=self.rms_norm_eps,
+                   rope_parameters=dict(self.rope_parameters), max_position_embeddings=self.max_position_embeddings,
+                   vocab_size=self.vocab_size, hidden_act="silu", attention_bias=False,
+                   tie_word_embeddings=False)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 (as Llama / Qwen3 do)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding, frequencies from Hugging Face's rope init (handles llama3 / yarn scaling)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        hf = cfg.hf_layer_config()
+        rope_type = cfg.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            base = float(cfg.rope_parameters.get("rope_theta", 10000.0))
+            inv = 1.0 / (base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+            scaling = 1.0
+        else:
+            inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+        self.register_buffer("inv_freq", inv.float(), persistent=False)
+        self.scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [N] -> cos, sin [N, head_dim]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig, input_size: int):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(input_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(input_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(input_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        if cfg.flavour == "qwen3":
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, elems: Elements, cache_kv, cache_elems: Elements | None, backend: str):
+        # x [N, in]; cos/sin [N, hd]; cache_kv: (k, v) [1, KVH, M, hd] of earlier elements or None
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.nh, self.hd)
+        k = self.k_proj(x).view(n, self.nkv, self.hd)
+        v = self.v_proj(x).view(n, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        c, s = cos[:, None, :], sin[:, None, :]
+        q = q * c + _rotate_half(q) * s
+        k = k * c + _rotate_half(k) * s
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, N, hd]
+        if cache_kv is not None:
+            k_all, v_all = torch.cat([cache_kv[0], k], dim=2), torch.cat([cache_kv[1], v], dim=2)
+            k_elems = Elements.cat([cache_elems, elems])
+        else:
+            k_all, v_all, k_elems = k, v, elems
+        out = attention(q, k_all, v_all, elems, k_elems, backend=backend, scale=1.0 / math.sqrt(self.hd))
+        out = out.squeeze(0).transpose(0, 1).reshape(n, self.nh * self.hd)  # [N, H*hd]
+        return self.o_proj(out), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer; the first one takes (embedding, hidden) and attends over 2H inputs."""
+
+    def __init__(self, cfg: DraftConfig, first: bool):
+        super().__init__()
+        self.first = first
+        self.norm_before_residual = cfg.norm_before_residual
+        H = cfg.hidden_size
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        if first:
+            self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, 2 * H if first else H)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, emb, cos, sin, elems, cache_kv, cache_elems, backend):
+        if self.first:
+            hn = self.hidden_norm(h)
+            residual = hn if self.norm_before_residual else h
+            x = torch.cat([self.input_layernorm(emb), hn], dim=-1)  # [N, 2H]
+        else:
+            residual = h
+            x = self.input_layernorm(h)
+        a, kv = self.self_attn(x, cos, sin, elems, cache_kv, cache_elems, backend)
+        h = residual + a
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, kv
+
+
+class DraftCache:
+    """Keys/values of the elements a drafter has processed, per layer, with their (anchor, depth, doc)."""
+
+    def __init__(self):
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.elems: Elements | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.elems is None else len(self.elems)
+
+    def append(self, new_kv: list, elems: Elements) -> None:
+        if self.kv is None:
+            self.kv, self.elems = list(new_kv), elems
+        else:
+            self.kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.kv, new_kv)]
+            self.elems = Elements.cat([self.elems, elems])
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n elements (drop rejected / speculative ones)."""
+        if self.kv is None or n >= len(self):
+            return
+        self.kv = [(k[:, :, :n], v[:, :, :n]) for k, v in self.kv]
+        self.elems = self.elems.slice(0, n)
+
+
+class DraftModel(nn.Module):
+    """fc + decoder layers + norm + lm_head over the draft vocab, on flat element lists."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)  # the verifier's, frozen
+        self.fc = nn.Linear(3 * cfg.verifier_hidden, H, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, first=(i == 0)) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool) if cfg.draft_vocab_size == cfg.vocab_size
+                             else torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.rotary = Rotary(cfg)
+        self.backend = "sdpa"
+
+    def init_from_verifier(self, verifier, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Copy the verifier's embeddings and the draft-vocab rows of its lm_head; set d2t / t2d."""
+        from ..data.vocab import draft_to_target_ids
+
+        with torch.no_grad():
+            emb = verifier.get_input_embeddings().weight
+            self.embed_tokens.weight.copy_(emb.to(self.embed_tokens.weight.dtype))
+            ids = draft_to_target_ids(d2t.long())
+            self.lm_head.weight.copy_(verifier.lm_head.weight[ids].to(self.lm_head.weight.dtype))
+            self.d2t.copy_(d2t.long())
+            self.t2d.copy_(t2d.bool())
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target-vocabulary ids of draft ids (any shape)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [N, H] (P-EAGLE overrides to use its trainable mask row)."""
+        return self.embed_tokens(tokens)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """3H verifier states go through fc; H-sized drafter states (EAGLE-3 feedback) pass as they are."""
+        return self.fc(hidden) if hidden.shape[-1] == 3 * self.cfg.verifier_hidden else hidden  # [N, H]
+
+    def run_layers(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, elems: Elements,
+                   cache: DraftCache | None = None) -> tuple[torch.Tensor, list]:
+        """emb [N, H], hidden [N, H] (already projected), positions [N] -> prenorm hidden [N, H], new kv per layer."""
+        cos, sin = self.rotary(positions, emb.dtype)
+        h, new_kv = hidden, []
+        for i, layer in enumerate(self.layers):
+            ckv = cache.kv[i] if cache is not None and cache.kv is not None else None
+            h, kv = layer(h, emb, cos, sin, elems, ckv, cache.elems if ckv is not None else None, self.backend)
+            new_kv.append(kv)
+        return h, new_kv
+
+    def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits [N, Vd] from prenorm hidden states [N, H]."""
+        return self.lm_head(self.norm(prenorm))

@@ -1,0 +1,77 @@
+"""EAGLE-3: sequential drafting (one token per drafter pass), trained with training-time test (TTT).
+
+TTT unrolls the drafter: step 0 reads (x_{a+1}, verifier g_a); step s reads (x_{a+s+1}, the drafter's own prenorm
+output of step s-1 at the same anchor) and predicts the target at slot a+s. Step s of anchor a attends by the same
+rule as P-EAGLE depth s (attention.py), so step s of training equals the s-th sequential inference step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import Elements
+from .common import DraftCache, DraftModel
+from .loss import SlotBatch, depth_reduce, draft_loss
+
+
+class Eagle3Drafter(DraftModel):
+    """The shared drafter, drafting sequentially and feeding its hidden states forward."""
+
+    def train_forward(self, b: SlotBatch, ttt_steps: int, decay: float = 0.8):
+        """Loss and per-step stats of one packed sequence, unrolled for `ttt_steps` steps.
+
+        Returns (loss, stats, [logits of step s [n_s, Vd]], [anchors of step s [n_s]]).
+        """
+        T = len(b)
+        dev = b.tokens.device
+        cache = DraftCache()
+        anchors = torch.arange(T, device=dev)
+        emb, hid = self.embed(b.tokens), self.project(b.hidden)
+        all_kl, all_tr, all_cor, all_val, all_dep, logits_out, anchors_out = [], [], [], [], [], [], []
+        h_prev, prev_anchors = None, None
+        for s in range(ttt_steps):
+            if s > 0:
+                cand = prev_anchors[prev_anchors + s < T]
+                new_anchors = cand[b.doc[cand + s] == b.doc[cand]]  # the chain stays inside its document
+                if new_anchors.numel() == 0:
+                    break
+                idx = torch.searchsorted(prev_anchors, new_anchors)
+                hid = h_prev[idx]  # [n_s, H] the drafter's own output at the same anchor
+                emb = self.embed(b.tokens[new_anchors + s])
+                anchors = new_anchors
+            depth = torch.full_like(anchors, s)
+            elems = Elements(anchors, depth, b.doc[anchors])
+            h, kv = self.run_layers(emb, hid, b.positions[anchors] + s, elems, cache if s > 0 else None)
+            cache.append(kv, elems)
+            logits = self.logits(h)
+            tgt = anchors + s
+            kl, tr, cor = draft_loss(logits, b.target_p[tgt], b.target_ids[tgt], b.valid[tgt], self.d2t, self.t2d)
+            for lst, v in zip((all_kl, all_tr, all_cor, all_val, all_dep), (kl, tr, cor, b.valid[tgt], depth)):
+                lst.append(v)
+            logits_out.append(logits)
+            anchors_out.append(anchors)
+            h_prev, prev_anchors = h, anchors
+        loss, stats = depth_reduce(torch.cat(all_kl), torch.cat(all_tr), torch.cat(all_cor), torch.cat(all_val),
+                                   torch.cat(all_dep), ttt_steps, decay)
+        return loss, stats, logits_out, anchors_out
+
+    def context_step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                     cache: DraftCache | None = None):
+        """Step 0 on n new context slots: tokens [n], hidden [n, 3Hv] -> (logits [n, Vd], prenorm [n, H])."""
+        depth = torch.zeros_like(positions)
+        elems = Elements(positions, depth, torch.zeros_like(positions))
+        h, kv = self.run_layers(self.embed(tokens), self.project(hidden), positions, elems, cache)
+        if cache is not None:
+            cache.append(kv, elems)
+        return self.logits(h), h
+
+    def chain_step(self, token: torch.Tensor, prev_hidden: torch.Tensor, anchor: int, step: int,
+                   cache: DraftCache):
+        """Draft step `step` >= 1: token [1] (target vocab), prev_hidden [1, H] -> (logits [1, Vd], prenorm [1, H])."""
+        dev = token.device
+        a = torch.tensor([anchor], device=dev)
+        d = torch.tensor([step], device=dev)
+        elems = Elements(a, d, torch.zeros_like(a))
+        h, kv = self.run_layers(self.embed(token), prev_hidden, a + d, elems, cache)
+        cache.append(kv, elems)
+        return self.logits(h), h

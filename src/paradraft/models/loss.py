@@ -1,0 +1,110 @@
+"""Training targets and the drafter loss: one place, used by both algorithms, training, tests and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SlotBatch:
+    """One packed training sequence in *slot* coordinates (the EAGLE one-step shift applied).
+
+    Slot j holds the drafter input (token x_{j+1}, verifier aux hidden g_j) at position id pos(x_{j+1}); its target is
+    the verifier's distribution at position j+1 (the one that predicts x_{j+2}).
+    """
+
+    tokens: torch.Tensor  # [T] int64, x_{j+1}
+    hidden: torch.Tensor  # [T, 3Hv] verifier aux hidden states g_j
+    positions: torch.Tensor  # [T] int64, position id of x_{j+1} in its document
+    doc: torch.Tensor  # [T] int64 document id (packing)
+    target_p: torch.Tensor  # [T, Vd] verifier distribution restricted to the draft vocab, renormalized
+    target_ids: torch.Tensor  # [T] int64 verifier argmax, target vocabulary
+    valid: torch.Tensor  # [T] bool: x_{j+2} exists in the same document and is a trained (loss-masked) token
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@torch.no_grad()
+def verifier_targets(last_hidden: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
+                     lm_head_weight: torch.Tensor, draft_target_ids: torch.Tensor, chunk: int = 1024):
+    """Verifier distribution from its last hidden state (before final norm).
+
+    last_hidden [S, H] -> (target_p [S, Vd] float32 over the draft vocab, target_ids [S] argmax over the FULL vocab).
+    """
+    ps, ids = [], []
+    for s in range(0, last_hidden.shape[0], chunk):
+        y = last_hidden[s:s + chunk].float()
+        y = norm_weight.float() * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + norm_eps))
+        y = y.to(lm_head_weight.dtype)
+        logits = (y @ lm_head_weight.T).float()  # [c, V]
+        ids.append(logits.argmax(-1))
+        ps.append(torch.softmax(logits[:, draft_target_ids], dim=-1))
+    return torch.cat(ps), torch.cat(ids)
+
+
+def slots_from_sample(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden: torch.Tensor,
+                      target_p: torch.Tensor, target_ids: torch.Tensor, doc_id: int = 0) -> SlotBatch:
+    """Apply the EAGLE one-step shift to one sample of S tokens -> S-1 slots.
+
+    input_ids [S], loss_mask [S] bool, aux_hidden [S, 3Hv], target_p [S, Vd], target_ids [S] (per verifier position).
+    """
+    S = int(input_ids.shape[0])
+    j = torch.arange(S - 1)
+    valid = torch.zeros(S - 1, dtype=torch.bool)
+    valid[: S - 2] = loss_mask[2:].bool()
+    return SlotBatch(tokens=input_ids[1:].long(), hidden=aux_hidden[: S - 1], positions=j + 1,
+                     doc=torch.full((S - 1,), doc_id, dtype=torch.long), target_p=target_p[1:],
+                     target_ids=target_ids[1:].long(), valid=valid)
+
+
+def pack_slots(parts: list[SlotBatch]) -> SlotBatch:
+    """Concatenate samples into one packed sequence; document ids keep them apart in attention."""
+    docs = [torch.full_like(p.doc, i) for i, p in enumerate(parts)]
+    return SlotBatch(*(torch.cat([getattr(p, f) for p in parts]) for f in
+                       ("tokens", "hidden", "positions")), torch.cat(docs),
+                     torch.cat([p.target_p for p in parts]), torch.cat([p.target_ids for p in parts]),
+                     torch.cat([p.valid for p in parts]))
+
+
+def draft_loss(logits: torch.Tensor, target_p: torch.Tensor, target_ids: torch.Tensor, valid: torch.Tensor,
+               d2t: torch.Tensor, t2d: torch.Tensor):
+    """Per-element KL(verifier || drafter) over the draft vocab, and whether the drafter's argmax is right.
+
+    logits [N, Vd], target_p [N, Vd], target_ids [N] (target vocab), valid [N] bool
+    -> (kl [N] (0 where not trained), trained [N] bool, correct [N] bool).
+    Positions whose verifier argmax lies OUTSIDE the draft vocabulary get no loss (the drafter can never propose
+    that token, and the renormalized target would teach it a wrong favourite), but they count as wrong in
+    `correct`, so accuracy is an honest estimate of greedy acceptance.
+    """
+    logq = F.log_softmax(logits.float(), dim=-1)
+    kl = (torch.xlogy(target_p, target_p) - target_p * logq).sum(-1)  # [N]
+    in_vocab = t2d[target_ids]
+    trained = valid & in_vocab
+    kl = torch.where(trained, kl, torch.zeros_like(kl))
+    pred = logits.argmax(-1)
+    correct = valid & ((pred + d2t[pred]) == target_ids)
+    return kl, trained, correct
+
+
+def depth_reduce(kl: torch.Tensor, trained: torch.Tensor, correct: torch.Tensor, valid: torch.Tensor,
+                 depth: torch.Tensor, num_depths: int, decay: float = 1.0):
+    """Loss = sum_d w_d * mean KL at depth d / sum_d w_d, with w_d = decay**d; plus per-depth stats."""
+    loss = kl.new_zeros(())
+    wsum = 0.0
+    stats = {"kl": [], "acc": [], "count": []}
+    for d in range(num_depths):
+        sel = depth == d
+        nt = int((trained & sel).sum())
+        nv = int((valid & sel).sum())
+        if nt:
+            w = decay ** d
+            loss = loss + w * kl[sel].sum() / nt
+            wsum += w
+        stats["kl"].append(float(kl[sel].detach().sum()) / nt if nt else float("nan"))
+        stats["acc"].append(float((correct & sel).sum()) / nv if nv else float("nan"))
+        stats["count"].append(nv)
+    return (loss / wsum if wsum else loss), stats

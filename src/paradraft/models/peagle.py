@@ -1,0 +1,149 @@
+"""P-EAGLE: K draft tokens in ONE forward pass.
+
+Slot 1 of a draft pass is (token just accepted, verifier aux hidden state); slots 2..K are (mask token embedding,
+`mask_hidden` through fc) at consecutive positions. Training covers prediction depths 0..K-1 with Conditional
+Drop-token (COD) sampling and the attention rule of attention.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .attention import Elements
+from .common import DraftCache, DraftConfig, DraftModel
+from .loss import SlotBatch, depth_reduce, draft_loss
+
+
+def cod_sample(loss_mask: torch.Tensor, num_depths: int, ratio: float = 0.7, ratio_min: float = 0.2,
+               generator: torch.Generator | None = None, document_ids: torch.Tensor | None = None):
+    """Conditional Drop-token sampling of training elements.
+
+    loss_mask [T] bool: the target at slot t is trained. Returns (anchor_pos [N], depth [N]) int64:
+      depth 0: every position 0..T-1 (the context), in order;
+      depth d >= 1: anchors a whose element exists (a + d < T, loss_mask[a + d], same document as a), drawn only
+      from the anchors kept at depth d-1 (every kept element has its whole chain); round(max(ratio**d, ratio_min) *
+      #valid anchors at depth d) are kept (fewer if the previous depth left fewer candidates).
+    """
+    T = int(loss_mask.shape[0])
+    loss_mask = loss_mask.bool()
+    dev = loss_mask.device
+    if document_ids is None:
+        document_ids = torch.zeros(T, dtype=torch.long, device=dev)
+    anchors = [torch.arange(T, device=dev)]
+    depths = [torch.zeros(T, dtype=torch.long, device=dev)]
+    kept = torch.ones(T, dtype=torch.bool, device=dev)  # anchors alive at the previous depth
+    for d in range(1, num_depths):
+        valid = torch.zeros(T, dtype=torch.bool, device=dev)
+        if d < T:
+            valid[: T - d] = loss_mask[d:] & (document_ids[d:] == document_ids[: T - d])
+        cand = torch.nonzero(valid & kept).flatten()
+        n_keep = min(int(cand.numel()), int(round(max(ratio ** d, ratio_min) * int(valid.sum()))))
+        if n_keep == 0:
+            break
+        perm = torch.randperm(int(cand.numel()), generator=generator, device="cpu")[:n_keep].to(dev)
+        chosen = cand[perm].sort().values
+        kept = torch.zeros(T, dtype=torch.bool, device=dev)
+        kept[chosen] = True
+        anchors.append(chosen)
+        depths.append(torch.full_like(chosen, d))
+    return torch.cat(anchors), torch.cat(depths)
+
+
+def choose_mask_token_id(tokenizer, vocab_size: int, token_freqs=None) -> int:
+    """A verifier-vocabulary token that never appears in text, for the mask embedding.
+
+    Preference: an embedding row beyond the tokenizer (padding rows, e.g. Qwen3); else a special token that the
+    chat template does not emit and that is not bos/eos/pad/unk (named 'mask'/'reserved' first); else the id with
+    the lowest frequency in the training data.
+    """
+    n = len(tokenizer)
+    if vocab_size > n:
+        return n
+    from ..data.vocab import template_special_ids
+
+    used = set(template_special_ids(tokenizer)) | {
+        t for t in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id)
+        if t is not None}
+    cands = []
+    for tid, tok in sorted(getattr(tokenizer, "added_tokens_decoder", {}).items()):
+        if getattr(tok, "special", False) and tid not in used and tid < vocab_size:
+            rank = 0 if ("mask" in tok.content.lower() or "reserved" in tok.content.lower()) else 1
+            if token_freqs is None or int(token_freqs[tid]) == 0:
+                cands.append((rank, tid))
+    if cands:
+        return min(cands)[1]
+    if token_freqs is not None:
+        return int(torch.as_tensor(token_freqs[:vocab_size]).argmin())
+    raise ValueError("no unused token for the P-EAGLE mask; pass mask_token_id explicitly")
+
+
+class PEagleDrafter(DraftModel):
+    """The shared drafter plus a trainable mask-token embedding row and a learnable `mask_hidden` [1, 3Hv]."""
+
+    def __init__(self, cfg: DraftConfig):
+        if cfg.mask_token_id is None:
+            raise ValueError("P-EAGLE needs cfg.mask_token_id")
+        super().__init__(cfg)
+        H = cfg.hidden_size
+        self.mask_embedding = nn.Parameter(torch.zeros(H))  # written to embed_tokens.weight[mask_token_id]
+        self.mask_hidden = nn.Parameter(torch.randn(1, 3 * cfg.verifier_hidden) * 0.02)
+
+    def init_from_verifier(self, verifier, d2t, t2d) -> None:
+        super().init_from_verifier(verifier, d2t, t2d)
+        with torch.no_grad():
+            self.mask_embedding.copy_(self.embed_tokens.weight[self.cfg.mask_token_id])
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        e = self.embed_tokens(tokens)  # [N, H]
+        is_mask = (tokens == self.cfg.mask_token_id)[:, None]
+        return torch.where(is_mask, self.mask_embedding.to(e.dtype).expand_as(e), e)
+
+    def element_inputs(self, tokens0: torch.Tensor, hidden0: torch.Tensor, depth: torch.Tensor):
+        """Inputs of elements: depth 0 (token, verifier hidden), depth >= 1 (mask token, mask_hidden).
+
+        tokens0 [N], hidden0 [N, 3Hv] (used where depth == 0) -> emb [N, H], projected hidden [N, H].
+        """
+        is0 = depth == 0
+        tok = torch.where(is0, tokens0, torch.full_like(tokens0, self.cfg.mask_token_id))
+        hid = torch.where(is0[:, None], hidden0, self.mask_hidden.to(hidden0.dtype).expand_as(hidden0))
+        return self.embed(tok), self.project(hid)
+
+    def train_forward(self, b: SlotBatch, num_depths: int, ratio: float = 0.7, ratio_min: float = 0.2,
+                      generator: torch.Generator | None = None, decay: float = 1.0, anchors=None):
+        """Loss and per-depth stats of one packed sequence; `anchors` = (anchor, depth) overrides COD sampling."""
+        if anchors is None:
+            anchors = cod_sample(b.valid, num_depths, ratio, ratio_min, generator, document_ids=b.doc)
+        anchor, depth = (t.to(b.tokens.device) for t in anchors)
+        emb, hid = self.element_inputs(b.tokens[anchor], b.hidden[anchor], depth)
+        elems = Elements(anchor, depth, b.doc[anchor])
+        h, _ = self.run_layers(emb, hid, b.positions[anchor] + depth, elems)
+        logits = self.logits(h)  # [N, Vd]
+        tgt = torch.clamp(anchor + depth, max=len(b) - 1)
+        valid = b.valid[tgt] & (anchor + depth < len(b))
+        kl, trained, correct = draft_loss(logits, b.target_p[tgt], b.target_ids[tgt], valid, self.d2t, self.t2d)
+        loss, stats = depth_reduce(kl, trained, correct, valid, depth, num_depths, decay)
+        stats["num_elements"] = int(anchor.numel())
+        return loss, stats, logits, (anchor, depth)
+
+    def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, k: int,
+              cache: DraftCache | None = None):
+        """ONE forward pass: new context slots + (k-1) mask slots -> draft logits [k, Vd].
+
+        tokens [n], hidden [n, 3Hv], positions [n] of the n new context slots (anchor = position); the cache holds
+        the context slots of earlier rounds and receives the new ones (mask slots are never cached).
+        """
+        n = int(tokens.shape[0])
+        dev = tokens.device
+        depth = torch.cat([torch.zeros(n, dtype=torch.long, device=dev), torch.arange(1, k, device=dev)])
+        anchor = torch.cat([positions, positions[-1].expand(k - 1)])
+        tok0 = torch.cat([tokens, tokens.new_zeros(k - 1)])
+        hid0 = torch.cat([hidden, hidden.new_zeros(k - 1, hidden.shape[1])])
+        emb, hid = self.element_inputs(tok0, hid0, depth)
+        elems = Elements(anchor, depth, torch.zeros_like(anchor))
+        h, kv = self.run_layers(emb, hid, anchor + depth, elems, cache)
+        if cache is not None:
+            cache.append([(kk[:, :, :n], vv[:, :, :n]) for kk, vv in kv], elems.slice(0, n))
+        return self.logits(h[n - 1:])  # [k, Vd]

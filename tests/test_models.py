@@ -1,0 +1,295 @@
+"""Drafters: the mask rule, COD sampling, training == inference, both attention backends, checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from paradraft.data.vocab import build_vocab
+from paradraft.models.attention import Elements, attention, dense_mask, flex_mask_mod, parallel_draft_mask
+from paradraft.models.checkpoint import CheckpointError, build_drafter, check_compatible, load_drafter, save_drafter
+from paradraft.models.common import DraftCache, DraftConfig
+from paradraft.models.loss import SlotBatch, pack_slots, slots_from_sample, verifier_targets
+from paradraft.models.peagle import cod_sample
+
+
+def tiny_drafter(algorithm="peagle", flavour="llama", layers=2, seed=0, verifier=None):
+    torch.manual_seed(seed)
+    verifier = verifier or make_tiny_llama(vocab_size=120, qwen3=(flavour == "qwen3"), seed=seed)
+    cfg = DraftConfig.from_verifier(verifier.config, algorithm=algorithm, num_layers=layers, draft_vocab_size=60,
+                                    mask_token_id=119 if algorithm == "peagle" else None)
+    model = build_drafter(cfg)
+    freqs = torch.randint(1, 100, (120,)).numpy()
+    d2t, t2d = build_vocab(freqs, 60, 120)
+    model.init_from_verifier(verifier, d2t, t2d)
+    with torch.no_grad():  # a random but non-trivial drafter
+        for n, p in model.named_parameters():
+            if p.requires_grad and p.dim() >= 1 and "norm" not in n:
+                p.normal_(0, 0.3)
+    return model.eval(), verifier
+
+
+def random_slots(T, model, doc_lengths=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.cfg
+    doc = torch.zeros(T, dtype=torch.long)
+    pos = torch.arange(T) + 1
+    if doc_lengths:
+        start = 0
+        for i, n in enumerate(doc_lengths):
+            doc[start:start + n] = i
+            pos[start:start + n] = torch.arange(n) + 1
+            start += n
+    return SlotBatch(tokens=torch.randint(0, 118, (T,), generator=g), hidden=torch.randn(T, 3 * cfg.hidden_size, generator=g),
+                     positions=pos, doc=doc, target_p=torch.softmax(torch.randn(T, cfg.draft_vocab_size, generator=g), -1),
+                     target_ids=torch.randint(0, cfg.vocab_size, (T,), generator=g),
+                     valid=torch.rand(T, generator=g) < 0.8)
+
+
+def all_elements(T, K, doc=None):
+    doc = torch.zeros(T, dtype=torch.long) if doc is None else doc
+    a, d = [torch.arange(T)], [torch.zeros(T, dtype=torch.long)]
+    for k in range(1, K):
+        ok = torch.arange(T - k)
+        ok = ok[doc[ok + k] == doc[ok]]
+        a.append(ok)
+        d.append(torch.full_like(ok, k))
+    return torch.cat(a), torch.cat(d)
+
+
+# ------------------------------------------------------------------------------------------- the mask rule
+
+def test_parallel_draft_mask_by_hand():
+    # elements: depth-0 at 0,1,2 ; (anchor 1, depth 1), (anchor 1, depth 2), (anchor 0, depth 1)
+    anchor = torch.tensor([0, 1, 2, 1, 1, 0])
+    depth = torch.tensor([0, 0, 0, 1, 2, 1])
+    m = parallel_draft_mask(anchor, depth, torch.zeros(3, dtype=torch.long))
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],  # (1,1): context <= 1, itself
+        [1, 1, 0, 1, 1, 0],  # (1,2): context <= 1, its chain (1,1), itself
+        [1, 0, 0, 0, 0, 1],  # (0,1): context <= 0, itself; never another chain
+    ], dtype=torch.bool)
+    assert torch.equal(m, expected)
+    # documents: position 2 starts a new document, so it sees only itself
+    m2 = parallel_draft_mask(anchor, depth, torch.tensor([0, 0, 1]))
+    assert m2[2].tolist() == [False, False, True, False, False, False]
+
+
+def test_flex_mask_mod_is_the_same_rule():
+    a, d = all_elements(12, 4)
+    doc = (torch.arange(12) >= 7).long()
+    e = Elements(a, d, doc[a])
+    mod = flex_mask_mod(e, e)
+    qi, ki = torch.meshgrid(torch.arange(len(e)), torch.arange(len(e)), indexing="ij")
+    assert torch.equal(mod(0, 0, qi, ki), dense_mask(e, e))
+
+
+def test_sdpa_and_flex_backends_agree():
+    torch.manual_seed(0)
+    a, d = all_elements(40, 4, doc=(torch.arange(40) >= 25).long())
+    e = Elements(a, d, (a >= 25).long())
+    n = len(e)
+    q, k, v = torch.randn(1, 4, n, 16), torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+    ref = attention(q, k, v, e, e, backend="sdpa")
+    blocked = attention(q, k, v, e, e, backend="sdpa", query_block=7)  # the mask built in blocks
+    torch.testing.assert_close(blocked, ref)
+    try:
+        out = attention(q, k, v, e, e, backend="flex")
+    except Exception as exc:  # pragma: no cover - flex unavailable in this torch build
+        pytest.skip(f"flex_attention unavailable: {exc}")
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention has no CPU backward")
+def test_flex_gradients_match_sdpa_on_gpu():  # pragma: no cover - runs where a GPU is present
+    torch.manual_seed(0)
+    a, d = all_elements(300, 4)
+    e = Elements(a, d, torch.zeros_like(a)).to("cuda")
+    n = len(e)
+    grads = []
+    for backend in ("sdpa", "flex"):
+        torch.manual_seed(1)
+        q, k, v = (torch.randn(1, h, n, 64, device="cuda", requires_grad=True) for h in (4, 2, 2))
+        attention(q, k, v, e, e, backend=backend).square().sum().backward()
+        grads.append([t.grad for t in (q, k, v)])
+    for g1, g2 in zip(*grads):
+        torch.testing.assert_close(g1, g2, atol=1e-3, rtol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------- COD sampling
+
+def test_cod_sample_chains_validity_and_ratios():
+    T = 4000
+    g = torch.Generator().manual_seed(0)
+    loss_mask = torch.rand(T, generator=g) < 0.9
+    anchor, depth = cod_sample(loss_mask, 8, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(anchor[:T], torch.arange(T)) and (depth[:T] == 0).all()
+    kept = {(int(a), int(d)) for a, d in zip(anchor, depth)}
+    assert len(kept) == len(anchor)  # no duplicates
+    for a, d in kept:
+        if d >= 1:
+            assert a + d < T and loss_mask[a + d]
+            assert (a, d - 1) in kept  # whole chain present
+    for d in range(1, 8):
+        valid = int(loss_mask[d:].sum())
+        n = int((depth == d).sum())
+        assert n == min(n, round(max(0.7 ** d, 0.2) * valid))
+        assert n >= 0.8 * round(max(0.7 ** d, 0.2) * valid)  # "about" the geometric fraction
+    again = cod_sample(loss_mask, 8, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(again[0], anchor) and torch.equal(again[1], depth)
+
+
+def test_cod_sample_respects_documents():
+    doc = torch.tensor([0] * 5 + [1] * 5)
+    anchor, depth = cod_sample(torch.ones(10, dtype=torch.bool), 4, ratio=1.0, ratio_min=1.0, document_ids=doc)
+    for a, d in zip(anchor.tolist(), depth.tolist()):
+        assert doc[a] == doc[a + d]
+    assert int((depth == 1).sum()) == 8  # 4 per document
+
+
+# ------------------------------------------------------------------------------------------- training == inference
+
+@pytest.mark.parametrize("flavour", ["llama", "qwen3"])
+def test_peagle_training_logits_equal_one_pass_inference(flavour):
+    model, _ = tiny_drafter("peagle", flavour)
+    K = 5
+    b = random_slots(30, model, doc_lengths=[18, 12])
+    a, d = all_elements(30, K, b.doc)
+    with torch.no_grad():
+        _, _, logits, _ = model.train_forward(b, K, anchors=(a, d))
+        for j in (3, 11, 17, 20, 24):  # anchors in both documents
+            start = 18 if j >= 18 else 0
+            sl = slice(start, j + 1)
+            # round 1 fills the cache with part of the context, round 2 drafts K tokens in ONE pass
+            cache = DraftCache()
+            mid = start + (j + 1 - start) // 2
+            if mid > start:
+                model.draft(b.tokens[start:mid], b.hidden[start:mid], b.positions[start:mid], K, cache)
+            out = model.draft(b.tokens[mid:j + 1], b.hidden[mid:j + 1], b.positions[mid:j + 1], K, cache)
+            assert len(cache) == j + 1 - start  # only context slots are cached
+            for depth in range(K):
+                sel = ((a == j) & (d == depth)).nonzero()
+                if len(sel) and j + depth < 30 and b.doc[j + depth] == b.doc[j]:
+                    torch.testing.assert_close(out[depth], logits[sel[0, 0]], atol=1e-4, rtol=1e-4)
+            del sl
+
+
+@pytest.mark.parametrize("flavour", ["llama", "qwen3"])
+def test_eagle3_ttt_step_equals_sequential_inference(flavour):
+    model, _ = tiny_drafter("eagle3", flavour)
+    b = random_slots(24, model)
+    steps = 4
+    with torch.no_grad():
+        _, stats, logits, anchors = model.train_forward(b, steps)
+        for j in (0, 7, 15):
+            cache = DraftCache()
+            lg, h = model.context_step(b.tokens[:j + 1], b.hidden[:j + 1], b.positions[:j + 1], cache)
+            torch.testing.assert_close(lg[-1], logits[0][j], atol=1e-4, rtol=1e-4)
+            hp = h[-1:]
+            for s in range(1, steps):
+                # the teacher-forced token of training is the token inference would have drafted
+                lg, hp = model.chain_step(b.tokens[j + s:j + s + 1], hp, int(b.positions[j]), s, cache)
+                row = (anchors[s] == j).nonzero()[0, 0]
+                torch.testing.assert_close(lg[0], logits[s][row], atol=1e-4, rtol=1e-4)
+    assert len(stats["acc"]) == steps
+
+
+def test_gradients_reach_mask_parameters_not_verifier_embeddings():
+    model, _ = tiny_drafter("peagle")
+    model.train()
+    b = random_slots(40, model)
+    b.valid[:] = True
+    loss, stats, _, _ = model.train_forward(b, 4, generator=torch.Generator().manual_seed(0))
+    loss.backward()
+    assert model.mask_hidden.grad.abs().sum() > 0 and model.mask_embedding.grad.abs().sum() > 0
+    assert model.embed_tokens.weight.grad is None
+    assert stats["count"][0] == 40 and len(stats["acc"]) == 4
+
+
+def test_targets_and_slots_from_verifier():
+    verifier = make_tiny_llama(vocab_size=120)
+    d2t, t2d = build_vocab(torch.arange(120).numpy() + 1, 60, 120)
+    ids = torch.randint(0, 120, (1, 16))
+    with torch.no_grad():
+        out = verifier(ids, output_hidden_states=True)
+        hs = out.hidden_states  # [L+1] x [1, S, H]; last entry is AFTER the final norm
+        last = verifier.model.layers[-1]  # capture the pre-norm last hidden state by recomputation
+        pre = []
+        h = verifier.model.norm.register_forward_hook(lambda m, i, o: pre.append(i[0]))
+        verifier(ids)
+        h.remove()
+    tp, tid = verifier_targets(pre[0][0], verifier.model.norm.weight, verifier.config.rms_norm_eps,
+                               verifier.lm_head.weight, d2t + torch.arange(60))
+    assert torch.equal(tid, out.logits[0].argmax(-1))
+    ref = torch.softmax(out.logits[0][:, d2t + torch.arange(60)], -1)
+    torch.testing.assert_close(tp, ref, atol=1e-5, rtol=1e-4)
+    aux = torch.cat([hs[i][0] for i in (2, 3, 4)], -1)
+    mask = torch.ones(16, dtype=torch.bool)
+    s = slots_from_sample(ids[0], mask, aux, tp, tid)
+    assert len(s) == 15 and torch.equal(s.tokens, ids[0, 1:]) and not s.valid[-1] and s.valid[:-1].all()
+    packed = pack_slots([s, s])
+    assert len(packed) == 30 and packed.doc.tolist() == [0] * 15 + [1] * 15
+    del last
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_checkpoint_roundtrip_and_vllm_keys(tmp_path, algorithm):
+    model, verifier = tiny_drafter(algorithm)
+    if algorithm == "peagle":
+        with torch.no_grad():
+            model.mask_embedding.add_(1.0)  # a trained mask row must survive the round trip
+    save_drafter(model, tmp_path / "ckpt")
+    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == algorithm
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert cfg["transformer_layer_config"]["vocab_size"] == 120
+    assert cfg["draft_vocab_size"] == 60 and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]  # [2, L//2, L-3] for L=6
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == model.cfg.num_speculative_tokens
+    prov = json.loads((tmp_path / "ckpt" / "provenance.json").read_text())
+    assert {"command", "torch", "transformers", "git_sha", "date"} <= set(prov)
+    from safetensors.torch import load_file
+
+    sd = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert sd["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * model.cfg.hidden_size
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight",
+            "layers.0.hidden_norm.weight"} <= set(sd)
+    if algorithm == "peagle":
+        assert cfg["mask_token_id"] == 119 and sd["mask_hidden"].shape == (1, 3 * model.cfg.hidden_size)
+        torch.testing.assert_close(sd["embed_tokens.weight"][119], model.mask_embedding.detach())
+    loaded = load_drafter(tmp_path / "ckpt", verifier=verifier).eval()
+    b = random_slots(20, model)
+    with torch.no_grad():
+        if algorithm == "peagle":
+            a, d = all_elements(20, 3)
+            r1 = model.train_forward(b, 3, anchors=(a, d))[2]
+            r2 = loaded.train_forward(b, 3, anchors=(a, d))[2]
+        else:
+            r1, r2 = model.train_forward(b, 3)[2][1], loaded.train_forward(b, 3)[2][1]
+    torch.testing.assert_close(r1, r2)
+
+
+def test_incompatible_verifier_is_refused_clearly(tmp_path):
+    model, verifier = tiny_drafter("peagle")
+    model.cfg.verifier = "/models/verifier-a"
+    save_drafter(model, tmp_path / "c")
+    other = make_tiny_llama(vocab_size=130, hidden=32, layers=6)
+    with pytest.raises(CheckpointError, match="hidden size.*vocabulary"):
+        load_drafter(tmp_path / "c", verifier=other)
+    cfg = load_drafter(tmp_path / "c").cfg
+    verifier.config._name_or_path = "/models/verifier-b"
+    with pytest.raises(CheckpointError, match="--force"):
+        check_compatible(cfg, verifier.config)
+    check_compatible(cfg, verifier.config, force=True)
+    cfg.aux_layer_ids = [2, 3, 40]  # noqa
+    with pytest.raises(CheckpointError, match=r"aux layer ids \[40\]"):
+        check_compatible(cfg, verifier.config, force=True)
+    with pytest.raises(CheckpointError, match="not a drafter checkpoint"):
+        load_drafter(tmp_path)
