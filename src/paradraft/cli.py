@@ -14,6 +14,7 @@ workflow (each step reads what the previous one wrote):
   prepare      chat data -> tokens + assistant loss mask        (ShareGPT, messages JSONL, datasets dir, built-ins)
   regenerate   the verifier rewrites the answers (on-policy data; local model or an OpenAI-compatible --endpoint)
   vocab        draft vocabulary d2t / t2d from the trained-token frequencies
+  extract      verifier aux hidden states (3 layers) + last hidden state -> safetensors shards (resumable, --shard K/N)
   quickstart   the whole workflow on the embedded SmolLM2-135M verifier (what `make demo` runs)
 
 every command takes its flags from `--config FILE.yaml` too (same keys; flags win).
@@ -42,6 +43,12 @@ def _cmd_vocab(cfg: C.VocabConfig) -> None:
     vocab(cfg)
 
 
+def _cmd_extract(cfg: C.ExtractConfig) -> None:
+    from .data.hidden_states import extract
+
+    extract(cfg)
+
+
 def _cmd_quickstart(cfg) -> None:
     from .quickstart import quickstart
 
@@ -52,6 +59,7 @@ COMMANDS: dict[str, tuple[type, callable, str]] = {
     "prepare": (C.PrepareConfig, _cmd_prepare, "tokenize chat data with the assistant loss mask"),
     "regenerate": (C.RegenerateConfig, _cmd_regenerate, "let the verifier write the answers (on-policy data)"),
     "vocab": (C.VocabConfig, _cmd_vocab, "build the draft vocabulary (d2t, t2d)"),
+    "extract": (C.ExtractConfig, _cmd_extract, "store verifier hidden states for training (or --validate them)"),
 }
 
 

@@ -176,3 +176,23 @@ class VocabConfig:
     size: int = opt(8192, help="draft vocabulary size")
     fill: bool = opt(False, help="pad with the next ids in tokenizer order when fewer tokens were seen")
     verifier: str | None = opt(None, help="verifier (default: the one the data was prepared for)")
+
+
+@dataclasses.dataclass
+class ExtractConfig:
+    """`paradraft extract`: verifier aux hidden states + last hidden state of every prepared sample -> shards."""
+
+    data: str = opt("runs/data", help="prepared data directory")
+    output: str = opt("runs/hidden_states", help="output directory", short="-o")
+    verifier: str | None = opt(None, help="verifier (default: the one the data was prepared for)")
+    layers: list[int] | None = opt(None, help="aux layer ids, comma separated (default 2,L//2,L-3)")
+    split: str = opt("all", help="which samples", choices=["all", "train", "val"])
+    dtype: str = opt("bfloat16", help="verifier and storage dtype", choices=["bfloat16", "float32"])
+    batch_tokens: int = opt(8192, help="tokens per verifier batch (padded)")
+    samples_per_shard: int = opt(256, help="samples per shard file")
+    shard: str | None = opt(None, help="K/N: this process does shards K, K+N, ... (default: torchrun RANK/WORLD_SIZE)")
+    trained_only: bool = opt(False, help="store only the positions training reads (drop the tail after the last "
+                             "trained token, and last hidden states that are never a target)")
+    validate: bool = opt(False, help="re-read and check every shard of --output, then exit")
+    max_samples: int | None = opt(None, help="extract at most this many samples")
+    device: str = opt("cpu", help="torch device")

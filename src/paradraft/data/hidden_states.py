@@ -1,0 +1,366 @@
+"""Verifier hidden states: offline extraction to safetensors shards, the shard reader, and online mode.
+
+What is stored per sample (all positions t of the prepared sample, after the optional trained-only cut):
+  aux   [T, 3H]  residual streams at the INPUT of decoder layers `layer_ids` (HF output_hidden_states[i]),
+                 concatenated in the order of layer_ids: the tensor vLLM's EAGLE-3 path hands the drafter
+  last  [T, H]   the last decoder layer's output BEFORE the final norm; the verifier's distribution at t is
+                 exactly lm_head(norm(last[t]))
+  input_ids [T] int32, loss_mask [T] uint8.
+A shard `shard-NNNNN.safetensors` concatenates its samples (offsets [n+1], sample_index [n] into the prepared
+dataset); `shard-NNNNN.json` beside it records its checksum; `manifest.json` is written once every shard exists.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from ..utils import read_json, sha256_file, write_json
+
+FORMAT = "paradraft-hidden-states-v1"
+
+
+class HiddenStateError(RuntimeError):
+    """A shard or manifest that is missing, corrupt, or does not match."""
+
+
+class NotEnoughDiskError(HiddenStateError):
+    """The output disk lacks room for the extraction."""
+
+
+class Tap:
+    """Capture aux hidden states (inputs of chosen decoder layers) and the pre-norm last hidden state."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        from ..verifier import decoder_layers
+
+        layers = decoder_layers(model)
+        L = len(layers)
+        bad = [i for i in layer_ids if not 0 <= i < L]
+        if bad:
+            raise HiddenStateError(f"layer ids {bad} out of range for a {L}-layer verifier (valid: 0..{L - 1})")
+        self.model, self.layer_ids = model, list(layer_ids)
+        self.captured: dict = {}
+        self.handles = []
+        for i in sorted(set(layer_ids)):
+            self.handles.append(layers[i].register_forward_pre_hook(self._pre(i), with_kwargs=True))
+        self.handles.append(model.model.norm.register_forward_pre_hook(self._pre("last"), with_kwargs=True))
+
+    def _pre(self, key):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            self.captured[key] = x
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """input_ids [B, S] -> (aux [B, S, 3H], last [B, S, H]); runs the decoder stack only (no lm_head)."""
+        self.captured = {}
+        self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        aux = torch.cat([self.captured[i] for i in self.layer_ids], dim=-1)
+        return aux, self.captured["last"]
+
+
+def resolve_layers(num_layers: int, layers: list[int] | None) -> list[int]:
+    """Aux layer ids: given, or the EAGLE-3 default [2, L//2, L-3]."""
+    from ..verifier import default_aux_layers
+
+    return list(layers) if layers else default_aux_layers(num_layers)
+
+
+def trained_cut(loss_mask: np.ndarray) -> int:
+    """Length of a sample that keeps every position training reads (through the last trained token)."""
+    idx = np.nonzero(loss_mask)[0]
+    return int(idx[-1]) + 1 if len(idx) else 0
+
+
+def batches_by_tokens(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Group indices (sorted by length, longest first) so that batch size x longest length <= batch_tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def compute_samples(tap: Tap, samples: list[tuple[np.ndarray, np.ndarray]], batch_tokens: int, device="cpu",
+                    pad_id: int = 0) -> list[dict]:
+    """Run the verifier on samples [(ids [T], mask [T])] -> per sample {input_ids, loss_mask, aux, last} (CPU)."""
+    out: list[dict | None] = [None] * len(samples)
+    for group in batches_by_tokens([len(s[0]) for s in samples], batch_tokens):
+        S = max(len(samples[i][0]) for i in group)
+        ids = torch.full((len(group), S), pad_id, dtype=torch.long)
+        att = torch.zeros((len(group), S), dtype=torch.long)
+        for r, i in enumerate(group):  # right padding: causal attention keeps real positions exact
+            n = len(samples[i][0])
+            ids[r, :n] = torch.from_numpy(samples[i][0])
+            att[r, :n] = 1
+        aux, last = tap(ids.to(device), att.to(device))
+        for r, i in enumerate(group):
+            n = len(samples[i][0])
+            out[i] = {"input_ids": torch.from_numpy(samples[i][0]).to(torch.int32),
+                      "loss_mask": torch.from_numpy(samples[i][1].astype(np.uint8)),
+                      "aux": aux[r, :n].cpu(), "last": last[r, :n].cpu()}
+    return out  # type: ignore[return-value]
+
+
+def _shard_name(k: int) -> str:
+    return f"shard-{k:05d}"
+
+
+def _parse_shard(spec: str | None) -> tuple[int, int]:
+    if spec:
+        try:
+            k, n = (int(x) for x in spec.split("/"))
+        except ValueError:
+            raise ValueError(f"--shard must look like K/N, got {spec!r}") from None
+        if not 0 <= k < n:
+            raise ValueError(f"--shard K/N needs 0 <= K < N, got {spec}")
+        return k, n
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _bytes_per_token(H: int, n_layers: int, dtype: torch.dtype) -> int:
+    return (n_layers * H + H) * torch.finfo(dtype).bits // 8 + 4 + 1
+
+
+def extract(cfg, model=None, tokenizer=None) -> dict:
+    """Run `paradraft extract` (or `--validate`). Returns the manifest (or validation report)."""
+    from .prepare import PreparedDataset
+
+    out = Path(cfg.output)
+    if cfg.validate:
+        return validate(out)
+    ds = PreparedDataset(cfg.data)
+    verifier_name = cfg.verifier or ds.manifest["verifier"]
+    dtype = getattr(torch, cfg.dtype)
+    if model is None:
+        from ..verifier import load_verifier
+
+        model, tokenizer = load_verifier(verifier_name, dtype=dtype, device=cfg.device)
+    L, H = model.config.num_hidden_layers, model.config.hidden_size
+    layer_ids = resolve_layers(L, cfg.layers)
+    indices = ds.indices(cfg.split)
+    if cfg.max_samples is not None:
+        indices = indices[: cfg.max_samples]
+    lengths = [int(ds.offsets[i + 1] - ds.offsets[i]) for i in indices]
+    if cfg.trained_only:
+        lengths_kept = [trained_cut(ds.sample(int(i))[1]) for i in indices]
+    else:
+        lengths_kept = lengths
+    shards = [list(range(s, min(s + cfg.samples_per_shard, len(indices))))
+              for s in range(0, len(indices), cfg.samples_per_shard)]
+    k, n = _parse_shard(cfg.shard)
+    mine = [s for s in range(len(shards)) if s % n == k]
+    identity = {"format": FORMAT, "data": str(Path(cfg.data).resolve()), "data_identity": ds.manifest.get("identity"),
+                "verifier": verifier_name, "layer_ids": layer_ids, "dtype": cfg.dtype, "split": cfg.split,
+                "trained_only": cfg.trained_only, "samples_per_shard": cfg.samples_per_shard,
+                "num_samples": len(indices)}
+    out.mkdir(parents=True, exist_ok=True)
+    ident_path = out / "identity.json"
+    if ident_path.is_file():
+        if read_json(ident_path) != identity:
+            raise HiddenStateError(f"{out} holds hidden states of another extraction (different data, verifier, "
+                                   f"layers or options); use another --output or delete it")
+    else:
+        write_json(ident_path, identity)
+
+    bpt = _bytes_per_token(H, len(layer_ids), dtype)
+    todo = [s for s in mine if not _shard_done(out, s)]
+    need = sum(lengths_kept[i] for s in todo for i in shards[s]) * bpt
+    total_all = sum(lengths) * bpt
+    free = shutil.disk_usage(out).free
+    print(f"[extract] {len(indices)} samples in {len(shards)} shards ({len(mine)} for shard {k}/{n}, "
+          f"{len(todo)} to do); needs {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free"
+          + (f"; trained-only saves {1 - sum(lengths_kept) / max(1, sum(lengths)):.1%} "
+             f"of positions ({(total_all - sum(lengths_kept) * bpt) / 2**30:.2f} GiB) before last-state thinning"
+             if cfg.trained_only else ""))
+    if need > free:
+        raise NotEnoughDiskError(f"extraction needs {need / 2**30:.2f} GiB but {out} has only "
+                                 f"{free / 2**30:.2f} GiB free; free space, use --trained-only, or --shard")
+
+    tap = Tap(model, layer_ids)
+    pad = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0)
+    bar = tqdm(total=sum(lengths_kept[i] for s in todo for i in shards[s]), unit="tok", unit_scale=True,
+               desc="extract", disable=None)
+    t0 = time.time()
+    try:
+        for s in todo:
+            samples = []
+            for i in shards[s]:
+                ids, mask = ds.sample(int(indices[i]))
+                cut = lengths_kept[i]
+                samples.append((ids[:cut], mask[:cut]))
+            results = compute_samples(tap, samples, cfg.batch_tokens, cfg.device, pad)
+            _write_shard(out, s, results, [int(indices[i]) for i in shards[s]], dtype, cfg.trained_only)
+            bar.update(sum(len(x[0]) for x in samples))
+    finally:
+        tap.remove()
+        bar.close()
+    elapsed = time.time() - t0
+    done = [s for s in range(len(shards)) if _shard_done(out, s)]
+    manifest = None
+    if len(done) == len(shards):
+        manifest = _write_manifest(out, identity, len(shards), H, model.config.vocab_size)
+        print(f"[extract] complete: {manifest['num_tokens']} tokens in {len(shards)} shards, "
+              f"{manifest['bytes'] / 2**30:.2f} GiB -> {out}")
+    else:
+        print(f"[extract] shard {k}/{n} done in {elapsed:.1f} s; {len(done)}/{len(shards)} shards exist")
+    return manifest or {"shards_done": len(done), "num_shards": len(shards)}
+
+
+def _shard_done(out: Path, s: int) -> bool:
+    return (out / f"{_shard_name(s)}.json").is_file() and (out / f"{_shard_name(s)}.safetensors").is_file()
+
+
+def _write_shard(out: Path, s: int, results: list[dict], sample_index: list[int], dtype, trained_only: bool):
+    lens = [len(r["input_ids"]) for r in results]
+    offsets = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
+    ids = torch.cat([r["input_ids"] for r in results])
+    mask = torch.cat([r["loss_mask"] for r in results])
+    last = torch.cat([r["last"] for r in results]).to(dtype)
+    tensors = {"aux": torch.cat([r["aux"] for r in results]).to(dtype).contiguous(), "input_ids": ids,
+               "loss_mask": mask, "offsets": offsets, "sample_index": torch.tensor(sample_index, dtype=torch.int64)}
+    if trained_only:
+        # last[p] is a target only where x_{p+1} is trained (slot p-1 is valid): keep those rows
+        keep = torch.zeros(len(ids), dtype=torch.bool)
+        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+            keep[a:b - 1] = mask[a + 1:b].bool()
+        tensors["last_keep"] = keep.to(torch.uint8)
+        tensors["last"] = last[keep].contiguous()
+    else:
+        tensors["last"] = last.contiguous()
+    name = _shard_name(s)
+    tmp = out / f".{name}.safetensors.tmp-{os.getpid()}"
+    save_file(tensors, str(tmp), metadata={"format": FORMAT})
+    digest = sha256_file(tmp)
+    os.replace(tmp, out / f"{name}.safetensors")
+    write_json(out / f"{name}.json", {"file": f"{name}.safetensors", "num_samples": len(lens),
+                                      "num_tokens": int(offsets[-1]), "sha256": digest,
+                                      "bytes": (out / f"{name}.safetensors").stat().st_size,
+                                      "sample_index": sample_index})
+
+
+def _write_manifest(out: Path, identity: dict, num_shards: int, H: int, vocab: int) -> dict:
+    shards = [read_json(out / f"{_shard_name(s)}.json") for s in range(num_shards)]
+    manifest = {**identity, "hidden_size": H, "aux_size": H * len(identity["layer_ids"]), "vocab_size": vocab,
+                "num_shards": num_shards, "num_tokens": sum(s["num_tokens"] for s in shards),
+                "bytes": sum(s["bytes"] for s in shards), "shapes": {"aux": ["T", H * len(identity["layer_ids"])],
+                                                                   "last": ["T", H], "input_ids": ["T"]},
+                "shards": shards}
+    write_json(out / "manifest.json", manifest)
+    return manifest
+
+
+def validate(path: str | Path) -> dict:
+    """Re-read every shard: checksum, shapes, offsets, finite values. Raises HiddenStateError naming the shard."""
+    hs = HiddenStates(path)
+    bad = []
+    for k in tqdm(range(hs.num_shards), desc="validate", disable=None):
+        try:
+            hs.load_shard(k, verify=True)
+        except HiddenStateError as e:
+            bad.append(str(e))
+    if bad:
+        raise HiddenStateError("validation failed:\n  " + "\n  ".join(bad))
+    print(f"[extract] {path}: {hs.num_shards} shards, {hs.manifest['num_tokens']} tokens: all valid")
+    return {"valid": True, "num_shards": hs.num_shards}
+
+
+class HiddenStates:
+    """Reader of an extraction directory; yields per-sample dicts like `compute_samples`."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        mp = self.path / "manifest.json"
+        if not mp.is_file():
+            raise HiddenStateError(f"{self.path} has no manifest.json: the extraction is missing or unfinished "
+                                   f"(rerun the same `paradraft extract` command to complete it)")
+        self.manifest = read_json(mp)
+        self.num_shards = self.manifest["num_shards"]
+        self.layer_ids = self.manifest["layer_ids"]
+        self._verified: set[int] = set()
+
+    def load_shard(self, k: int, verify: bool = True) -> list[dict]:
+        """Samples of shard k; checks the checksum the first time (clear error naming the shard)."""
+        info = self.manifest["shards"][k]
+        f = self.path / info["file"]
+        if not f.is_file():
+            raise HiddenStateError(f"shard {f} is missing")
+        if verify and k not in self._verified:
+            if sha256_file(f) != info["sha256"]:
+                raise HiddenStateError(f"shard {f} is corrupt (checksum mismatch); re-extract it: delete "
+                                       f"{f.name} and {f.with_suffix('.json').name}, rerun `paradraft extract`")
+            self._verified.add(k)
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                t = {name: fh.get_tensor(name) for name in fh.keys()}
+        except Exception as e:
+            raise HiddenStateError(f"shard {f} cannot be read: {e}") from None
+        H = self.manifest["hidden_size"]
+        n_tok = info["num_tokens"]
+        if t["aux"].shape != (n_tok, self.manifest["aux_size"]) or t["input_ids"].shape[0] != n_tok \
+                or int(t["offsets"][-1]) != n_tok:
+            raise HiddenStateError(f"shard {f} has wrong shapes: aux {tuple(t['aux'].shape)}, expected "
+                                   f"({n_tok}, {self.manifest['aux_size']})")
+        if verify and not (torch.isfinite(t["aux"]).all() and torch.isfinite(t["last"]).all()):
+            raise HiddenStateError(f"shard {f} holds non-finite values")
+        last = t["last"]
+        if "last_keep" in t:
+            full = torch.zeros(n_tok, H, dtype=last.dtype)
+            full[t["last_keep"].bool()] = last
+            last = full
+        out = []
+        off = t["offsets"].tolist()
+        for j in range(len(off) - 1):
+            a, b = off[j], off[j + 1]
+            out.append({"input_ids": t["input_ids"][a:b], "loss_mask": t["loss_mask"][a:b], "aux": t["aux"][a:b],
+                        "last": last[a:b], "sample_index": int(t["sample_index"][j])})
+        return out
+
+    def __iter__(self):
+        for k in range(self.num_shards):
+            yield from self.load_shard(k)
+
+
+class OnlineHiddenStates:
+    """The same per-sample dicts, computed on the fly by the verifier inside the training process (no disk)."""
+
+    def __init__(self, model, dataset, layer_ids: list[int] | None = None, batch_tokens: int = 8192,
+                 device: str = "cpu", pad_id: int = 0, trained_only: bool = False):
+        self.model, self.ds = model, dataset
+        self.layer_ids = resolve_layers(model.config.num_hidden_layers, layer_ids)
+        self.tap = Tap(model, self.layer_ids)
+        self.batch_tokens, self.device, self.pad_id, self.trained_only = batch_tokens, device, pad_id, trained_only
+
+    def compute(self, indices) -> list[dict]:
+        """Per-sample dicts for prepared-dataset indices."""
+        samples = []
+        for i in indices:
+            ids, mask = self.ds.sample(int(i))
+            if self.trained_only:
+                cut = trained_cut(mask)
+                ids, mask = ids[:cut], mask[:cut]
+            samples.append((ids, mask))
+        res = compute_samples(self.tap, samples, self.batch_tokens, self.device, self.pad_id)
+        for r, i in zip(res, indices):
+            r["sample_index"] = int(i)
+        return res
