@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import config as C
@@ -15,6 +16,7 @@ workflow (each step reads what the previous one wrote):
   regenerate   the verifier rewrites the answers (on-policy data; local model or an OpenAI-compatible --endpoint)
   vocab        draft vocabulary d2t / t2d from the trained-token frequencies
   extract      verifier aux hidden states (3 layers) + last hidden state -> safetensors shards (resumable, --shard K/N)
+  train        P-EAGLE (depths + COD + parallel mask) or EAGLE-3 (training-time test); --online or --hidden-states
   quickstart   the whole workflow on the embedded SmolLM2-135M verifier (what `make demo` runs)
 
 every command takes its flags from `--config FILE.yaml` too (same keys; flags win).
@@ -49,6 +51,12 @@ def _cmd_extract(cfg: C.ExtractConfig) -> None:
     extract(cfg)
 
 
+def _cmd_train(cfg: C.TrainConfig) -> None:
+    from .train.trainer import train
+
+    train(cfg)
+
+
 def _cmd_quickstart(cfg) -> None:
     from .quickstart import quickstart
 
@@ -60,6 +68,7 @@ COMMANDS: dict[str, tuple[type, callable, str]] = {
     "regenerate": (C.RegenerateConfig, _cmd_regenerate, "let the verifier write the answers (on-policy data)"),
     "vocab": (C.VocabConfig, _cmd_vocab, "build the draft vocabulary (d2t, t2d)"),
     "extract": (C.ExtractConfig, _cmd_extract, "store verifier hidden states for training (or --validate them)"),
+    "train": (C.TrainConfig, _cmd_train, "train a P-EAGLE or EAGLE-3 drafter (torchrun for DDP / FSDP)"),
 }
 
 
@@ -98,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except (C.ConfigError, ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+        if os.environ.get("PARADRAFT_DEBUG"):
+            raise
         print(f"paradraft {args.command}: error: {e}", file=sys.stderr)
         return 1
     return 0

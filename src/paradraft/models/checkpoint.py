@@ -96,9 +96,10 @@ def provenance(extra: dict | None = None) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **(extra or {})}
 
 
-def drafter_state_dict(model: DraftModel, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def drafter_state_dict(model: DraftModel, dtype: torch.dtype | None = None,
+                       state_dict: dict | None = None) -> dict[str, torch.Tensor]:
     """Weights under the names vLLM reads (the P-EAGLE mask row folded into embed_tokens.weight)."""
-    sd = {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
+    sd = {k: v.detach().cpu() for k, v in (state_dict or model.state_dict()).items() if not k.startswith("rotary.")}
     if "mask_embedding" in sd:
         emb = sd["embed_tokens.weight"].clone()
         emb[model.cfg.mask_token_id] = sd.pop("mask_embedding").to(emb.dtype)
@@ -111,14 +112,15 @@ def drafter_state_dict(model: DraftModel, dtype: torch.dtype | None = None) -> d
 
 
 def save_drafter(model: DraftModel, path: str | Path, extra_provenance: dict | None = None,
-                 dtype: torch.dtype | None = None) -> Path:
+                 dtype: torch.dtype | None = None, state_dict: dict | None = None) -> Path:
     """Write config.json + model.safetensors + provenance.json atomically into `path`."""
     path = Path(path)
     cfg = speculators_config(model.cfg)
     if dtype is not None:
         cfg["torch_dtype"] = str(dtype).replace("torch.", "")
     with atomic_dir(path, overwrite=True) as tmp:
-        save_file(drafter_state_dict(model, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(drafter_state_dict(model, dtype, state_dict), str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
         write_json(tmp / "provenance.json", provenance(extra_provenance))
         write_json(tmp / "config.json", cfg)
     return path

@@ -53,7 +53,16 @@ class Eagle3Drafter(DraftModel):
             h_prev, prev_anchors = h, anchors
         loss, stats = depth_reduce(torch.cat(all_kl), torch.cat(all_tr), torch.cat(all_cor), torch.cat(all_val),
                                    torch.cat(all_dep), ttt_steps, decay)
+        stats["num_elements"] = sum(int(x.numel()) for x in anchors_out)
+        stats["elements"] = (torch.cat(anchors_out).detach(), torch.cat(all_dep).detach(),
+                             torch.cat(all_cor).detach(), torch.cat(all_val).detach())
         return loss, stats, logits_out, anchors_out
+
+    def forward(self, b: SlotBatch, generator: torch.Generator | None = None, ttt_steps: int = 3,
+                loss_decay: float = 0.8, **_):
+        """Training loss and stats (what the generic trainer calls; DDP needs it to be `forward`)."""
+        loss, stats, _, _ = self.train_forward(b, ttt_steps, loss_decay)
+        return loss, stats
 
     def context_step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                      cache: DraftCache | None = None):

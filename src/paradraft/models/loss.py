@@ -108,3 +108,33 @@ def depth_reduce(kl: torch.Tensor, trained: torch.Tensor, correct: torch.Tensor,
         stats["acc"].append(float((correct & sel).sum()) / nv if nv else float("nan"))
         stats["count"].append(nv)
     return (loss / wsum if wsum else loss), stats
+
+
+def acceptance_estimate(anchor: torch.Tensor, depth: torch.Tensor, correct: torch.Tensor, valid: torch.Tensor,
+                        num_depths: int) -> dict:
+    """Per-depth conditional accuracy and the acceptance length it implies.
+
+    c_d = P(depth d correct | depths 0..d-1 of the same chain correct), over chains whose element (a, d) is trained.
+    Greedy verification accepts draft k only if drafts 1..k are all right, so with K drafts
+        estimated acceptance length = 1 + sum_{k=1..K} prod_{d<k} c_d    (the 1 is the verifier's bonus token).
+    anchor/depth/correct/valid [N] -> {"conditional_acc": [D], "acceptance_length": {K: AL for K = 1..D}}.
+    """
+    A = int(anchor.max()) + 1 if anchor.numel() else 1
+    ok = torch.zeros(A, num_depths, dtype=torch.bool)
+    present = torch.zeros(A, num_depths, dtype=torch.bool)
+    a, d = anchor.cpu(), depth.cpu()
+    present[a, d] = valid.cpu().bool()
+    ok[a, d] = correct.cpu().bool() & valid.cpu().bool()
+    cond, prev = [], torch.ones(A, dtype=torch.bool)
+    for k in range(num_depths):
+        denom = prev & present[:, k]
+        prev = denom & ok[:, k]
+        cond.append(float(prev.sum()) / int(denom.sum()) if int(denom.sum()) else float("nan"))
+    al, prod, total = {}, 1.0, 1.0
+    for k, c in enumerate(cond, start=1):
+        if c != c:  # nan: no data this deep
+            break
+        prod *= c
+        total += prod
+        al[k] = total
+    return {"conditional_acc": cond, "acceptance_length": al}

@@ -126,7 +126,14 @@ class PEagleDrafter(DraftModel):
         kl, trained, correct = draft_loss(logits, b.target_p[tgt], b.target_ids[tgt], valid, self.d2t, self.t2d)
         loss, stats = depth_reduce(kl, trained, correct, valid, depth, num_depths, decay)
         stats["num_elements"] = int(anchor.numel())
+        stats["elements"] = (anchor.detach(), depth.detach(), correct.detach(), valid.detach())
         return loss, stats, logits, (anchor, depth)
+
+    def forward(self, b: SlotBatch, generator: torch.Generator | None = None, num_depths: int = 8,
+                cod_ratio: float = 0.7, cod_ratio_min: float = 0.2, loss_decay: float = 1.0, **_):
+        """Training loss and stats (what the generic trainer calls; DDP needs it to be `forward`)."""
+        loss, stats, _, _ = self.train_forward(b, num_depths, cod_ratio, cod_ratio_min, generator, loss_decay)
+        return loss, stats
 
     def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, k: int,
               cache: DraftCache | None = None):

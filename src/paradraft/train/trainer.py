@@ -1,0 +1,428 @@
+"""The generic trainer: any drafter whose forward(batch, generator, **args) returns (loss, stats).
+
+AdamW, linear warmup + cosine decay (to 10%), gradient clipping and accumulation, bf16 autocast over float32 master
+weights, packed sequences with document ids, deterministic under --seed. Checkpoints every --save-every steps keep
+model, optimizer, scheduler, data position and every RNG state, so a resumed run ends with the same weights as one
+never stopped. SIGINT / SIGTERM save before exiting; a non-finite loss stops the run and keeps the last good
+checkpoint. torchrun gives DDP (gloo on CPU, NCCL on GPU); --fsdp shards the drafter instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from ..config import TrainConfig, config_to_dict
+from ..data.prepare import PreparedDataset
+from ..data.vocab import build_vocab, draft_to_target_ids, load_vocab, template_special_ids
+from ..models.checkpoint import build_drafter, save_drafter
+from ..models.common import DraftConfig
+from ..models.loss import acceptance_estimate
+from ..models.peagle import choose_mask_token_id
+from ..utils import read_json, write_json
+from .data import OfflineSource, OnlineSource, TargetHead, epoch_plan
+from .distributed import full_state_dict, load_full_state_dict
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (non-finite loss, bad inputs)."""
+
+
+def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
+    """Learning-rate multiplier: linear warmup, then cosine from 1 to 0.1 at `total` steps."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / max(1, cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Distributed:
+    """torchrun environment (or a single process)."""
+
+    def __init__(self, device: str):
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.rank = int(os.environ.get("RANK", 0))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.enabled = self.world > 1
+        if self.enabled and not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.enabled:
+            torch.distributed.barrier()
+
+    def mean(self, x: float) -> float:
+        if not self.enabled:
+            return x
+        t = torch.tensor([x], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return float(t[0]) / self.world
+
+
+def _rng_state(gen: torch.Generator) -> dict:
+    return {"torch": torch.get_rng_state(), "cod": gen.get_state(), "python": random.getstate(),
+            "numpy": np.random.get_state()}
+
+
+def _set_rng_state(state: dict, gen: torch.Generator) -> None:
+    torch.set_rng_state(state["torch"])
+    gen.set_state(state["cod"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+class Trainer:
+    """Train one drafter as `cfg` says; see the module docstring."""
+
+    def __init__(self, cfg: TrainConfig, verifier=None, tokenizer=None):
+        self.cfg = cfg
+        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.dist = Distributed(device)
+        if device == "cuda" and self.dist.enabled:
+            device = f"cuda:{self.dist.local_rank}"
+            torch.cuda.set_device(device)
+        self.device = device
+        self.out = Path(cfg.output)
+        if cfg.hidden_states is None and not cfg.online:
+            raise TrainingError("give --hidden-states DIR (offline) or --online")
+        self.ds = PreparedDataset(cfg.data)
+        self.verifier_name = cfg.verifier or self.ds.manifest["verifier"]
+        if verifier is None:
+            from ..verifier import load_verifier
+
+            verifier, tokenizer = load_verifier(self.verifier_name, dtype=cfg.verifier_dtype, device=device)
+        self.verifier, self.tok = verifier, tokenizer
+        for p in verifier.parameters():
+            p.requires_grad_(False)
+
+        # ---- data
+        if cfg.online:
+            pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+            self.source = OnlineSource(verifier, self.ds, None, device, pad)
+        else:
+            self.source = OfflineSource(cfg.hidden_states)
+            if self.source.hs.manifest.get("verifier") not in (self.verifier_name, None):
+                raise TrainingError(f"{cfg.hidden_states} was extracted with verifier "
+                                    f"{self.source.hs.manifest.get('verifier')!r}, not {self.verifier_name!r}")
+        self.train_idx = self.source.available(self.ds.indices("train"))
+        self.val_idx = self.source.available(self.ds.indices("val"))[: cfg.val_samples]
+        if len(self.train_idx) == 0:
+            raise TrainingError("no training samples (the hidden states hold none of the train split?)")
+        self.lengths = {int(i): int(self.ds.offsets[i + 1] - self.ds.offsets[i]) for i in
+                        np.concatenate([self.train_idx, self.val_idx])}
+
+        # ---- vocabulary and model
+        V = verifier.config.vocab_size
+        if cfg.vocab:
+            d2t, t2d = load_vocab(cfg.vocab)
+            if len(t2d) != V:
+                raise TrainingError(f"vocab {cfg.vocab} is for a {len(t2d)}-token verifier, this one has {V}")
+        else:
+            freqs = np.zeros(V, dtype=np.int64)
+            f = self.ds.token_freqs()[:V]
+            freqs[: len(f)] = f
+            special = template_special_ids(tokenizer) if tokenizer is not None else []
+            d2t, t2d = build_vocab(freqs, min(cfg.draft_vocab_size, V), V, special, fill=True)
+        mask_id = None
+        if cfg.algorithm == "peagle":
+            mask_id = choose_mask_token_id(tokenizer, V, self.ds.token_freqs()) if tokenizer is not None else V - 1
+        torch.manual_seed(cfg.seed)
+        from ..verifier import resolve_verifier
+
+        dcfg = DraftConfig.from_verifier(
+            verifier.config, algorithm=cfg.algorithm, num_layers=cfg.num_layers, draft_vocab_size=len(d2t),
+            mask_token_id=mask_id, num_speculative_tokens=cfg.num_speculative_tokens,
+            aux_layer_ids=list(self.source.layer_ids), verifier=resolve_verifier(self.verifier_name))
+        self.model = build_drafter(dcfg)
+        self.model.init_from_verifier(verifier, d2t, t2d)
+        self.model.to(device)
+        backend = cfg.attention if cfg.attention != "auto" else ("flex" if device.startswith("cuda") else "sdpa")
+        self.model.backend = backend
+        self.target_head = TargetHead(verifier, draft_to_target_ids(d2t), device)
+        decay = cfg.loss_decay if cfg.loss_decay is not None else (1.0 if cfg.algorithm == "peagle" else 0.8)
+        self.train_args = ({"num_depths": cfg.num_depths, "cod_ratio": cfg.cod_ratio,
+                            "cod_ratio_min": cfg.cod_ratio_min, "loss_decay": decay}
+                           if cfg.algorithm == "peagle" else {"ttt_steps": cfg.ttt_steps, "loss_decay": decay})
+        self.num_depths = cfg.num_depths if cfg.algorithm == "peagle" else cfg.ttt_steps
+        self.wrapped = self._wrap(self.model)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.step, self.epoch, self.pack_pos = 0, 0, 0
+        self.stop_signal = None
+
+    def _wrap(self, model):
+        if not self.dist.enabled:
+            return model
+        if self.cfg.fsdp:
+            from .distributed import shard_fsdp
+
+            return shard_fsdp(model)
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[self.dist.local_rank] if self.device.startswith("cuda") else None)
+
+    # ------------------------------------------------------------------------------------------ schedule
+
+    def packs_per_epoch(self) -> int:
+        return len(epoch_plan(self.train_idx, self.lengths, self.source, self.cfg.batch_tokens, self.cfg.seed, 0))
+
+    def total_steps(self) -> int:
+        if self.cfg.max_steps is not None:  # --max-steps overrides --epochs (epochs cycle as needed)
+            return self.cfg.max_steps
+        per_step = self.cfg.grad_accum * self.dist.world
+        return max(1, self.cfg.epochs * (self.packs_per_epoch() // per_step))
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.out / "checkpoints"
+
+    def save_checkpoint(self) -> Path:
+        """Full training state at this step: rank 0 writes model/optimizer/state, every rank its RNG state."""
+        path = self.ckpt_dir / f"step-{self.step:07d}"
+        tmp = self.ckpt_dir / f".tmp-step-{self.step:07d}"
+        sd = full_state_dict(self.model)  # a collective under FSDP
+        if self.dist.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            save_file(sd, str(tmp / "model.safetensors"))
+            write_json(tmp / "state.json", {"step": self.step, "epoch": self.epoch, "pack_pos": self.pack_pos,
+                                            "world_size": self.dist.world, "config": config_to_dict(self.cfg)})
+        self.dist.barrier()
+        # FSDP optimizer state is sharded: each rank keeps its own shard (resume with the same world size)
+        if self.cfg.fsdp and self.dist.enabled:
+            torch.save({"opt": self.opt.state_dict()}, tmp / f"optimizer-{self.dist.rank}.pt")
+        elif self.dist.main:
+            torch.save({"opt": self.opt.state_dict()}, tmp / "optimizer.pt")
+        torch.save(_rng_state(self.gen), tmp / f"rng-{self.dist.rank}.pt")
+        self.dist.barrier()
+        if self.dist.main:  # one rename makes the checkpoint exist; a kill before it leaves only .tmp-*
+            shutil.rmtree(path, ignore_errors=True)
+            os.rename(tmp, path)
+            for old in sorted(self.ckpt_dir.glob("step-*"))[: -self.cfg.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.dist.barrier()
+        return path
+
+    def latest_checkpoint(self) -> Path | None:
+        found = sorted(self.ckpt_dir.glob("step-*"))
+        return found[-1] if found else None
+
+    def load_checkpoint(self, path: Path) -> None:
+        sd = load_file(str(path / "model.safetensors"))
+        st = read_json(path / "state.json")
+        if st.get("world_size", 1) != self.dist.world and self.cfg.fsdp:
+            raise TrainingError(f"{path} was written by {st.get('world_size')} FSDP ranks; resume with as many")
+        load_full_state_dict(self.model, {k: v.to(self.device) for k, v in sd.items()})
+        opt_file = path / (f"optimizer-{self.dist.rank}.pt" if self.cfg.fsdp and self.dist.enabled else "optimizer.pt")
+        self.opt.load_state_dict(torch.load(opt_file, weights_only=False)["opt"])
+        self.step, self.epoch, self.pack_pos = st["step"], st["epoch"], st["pack_pos"]
+        rng = path / f"rng-{self.dist.rank}.pt"
+        if rng.is_file():
+            _set_rng_state(torch.load(rng, weights_only=False), self.gen)
+
+    # ------------------------------------------------------------------------------------------ loop
+
+    def _install_signals(self):
+        def handler(signum, frame):
+            self.stop_signal = signum
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        return old
+
+    def train(self) -> dict:
+        """Run training to the end (or to a signal); returns the final metrics."""
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        if cfg.resume:
+            last = self.latest_checkpoint()
+            if last is None:
+                print(f"[train] --resume: no checkpoint in {self.ckpt_dir}; starting fresh")
+            else:
+                self.load_checkpoint(last)
+                print(f"[train] resumed from {last} (step {self.step})")
+        elif self.latest_checkpoint() is not None and self.dist.main:
+            raise TrainingError(f"{self.out} already holds checkpoints; pass --resume to continue, or another --output")
+        if self.dist.main:
+            (self.out / "train_config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        total = self.total_steps()
+        metrics_path = self.out / "metrics.jsonl"
+        if self.dist.main and not cfg.resume and metrics_path.exists():
+            metrics_path.unlink()
+        tb = self._tensorboard()
+        old_signals = self._install_signals()
+        per_step = cfg.grad_accum * self.dist.world
+        bar = tqdm(total=total, initial=self.step, desc=f"train {cfg.algorithm}", unit="step",
+                   disable=None if self.dist.main else True)
+        t_last, tok_count = time.time(), 0
+        last_val = None
+        try:
+            while self.step < total:
+                plan = epoch_plan(self.train_idx, self.lengths, self.source, cfg.batch_tokens, cfg.seed, self.epoch)
+                usable = len(plan) - len(plan) % per_step
+                if usable == 0:
+                    raise TrainingError(f"one optimizer step needs {per_step} packed sequences but an epoch has "
+                                        f"{len(plan)}; lower --grad-accum or --batch-tokens")
+                if self.pack_pos + per_step > usable:
+                    self.epoch, self.pack_pos = self.epoch + 1, 0
+                    continue
+                mine = plan[self.pack_pos + self.dist.rank * cfg.grad_accum:
+                            self.pack_pos + (self.dist.rank + 1) * cfg.grad_accum]
+                lr = cfg.lr * lr_at(self.step, cfg, total)
+                for g in self.opt.param_groups:
+                    g["lr"] = lr
+                loss_sum, stats_acc, n_tok = 0.0, None, 0
+                for micro, pack in enumerate(mine):
+                    # COD draws depend only on (seed, epoch, global pack index): the same elements whichever
+                    # process trains the pack, so DDP with N ranks equals one process with N x grad_accum
+                    g_idx = self.pack_pos + self.dist.rank * cfg.grad_accum + micro
+                    self.gen.manual_seed(cfg.seed * 1_000_003 + self.epoch * 100_003 + g_idx)
+                    b = self.target_head.slot_batch(self.source.get(pack))
+                    n_tok += len(b)
+                    with torch.autocast(self.device.split(":")[0], dtype=getattr(torch, cfg.autocast),
+                                        enabled=cfg.autocast != "float32"):
+                        loss, stats = self.wrapped(b, generator=self.gen, **self.train_args)
+                    if not torch.isfinite(loss):
+                        raise TrainingError(f"non-finite loss {float(loss)} at step {self.step} (lr {lr:.2e}); "
+                                            f"the last good checkpoint is kept in {self.ckpt_dir}")
+                    (loss / cfg.grad_accum).backward()
+                    loss_sum += float(loss.detach()) / cfg.grad_accum
+                    stats_acc = _merge(stats_acc, stats)
+                gnorm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                                       cfg.max_grad_norm)
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+                self.step += 1
+                self.pack_pos += per_step
+                tok_count += n_tok * self.dist.world
+                loss_g = self.dist.mean(loss_sum)
+                acc = [a / max(1, c) for a, c in zip(stats_acc["correct"], stats_acc["count"])]
+                now = time.time()
+                rec = {"step": self.step, "epoch": self.epoch, "loss": loss_g, "lr": lr, "grad_norm": float(gnorm),
+                       "acc": acc, "tokens_per_s": tok_count / max(1e-9, now - t_last)}
+                if cfg.val_every and self.step % cfg.val_every == 0 and len(self.val_idx):
+                    last_val = self.validate()
+                    rec["val"] = last_val
+                if self.dist.main and self.step % cfg.log_every == 0:
+                    with open(metrics_path, "a") as fh:
+                        fh.write(json.dumps(rec) + "\n")
+                    if tb is not None:
+                        tb.add_scalar("loss", loss_g, self.step)
+                        for d, a in enumerate(acc):
+                            tb.add_scalar(f"acc/depth{d}", a, self.step)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_g:.3f}", acc0=f"{acc[0]:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                t_last, tok_count = now, 0
+                if self.step % cfg.save_every == 0 or self.stop_signal is not None:
+                    self.save_checkpoint()
+                if self.stop_signal is not None:
+                    raise KeyboardInterrupt(f"signal {self.stop_signal}: checkpoint saved at step {self.step}")
+        finally:
+            bar.close()
+            for s, h in old_signals.items():
+                signal.signal(s, h)
+            if tb is not None:
+                tb.close()
+        final = {"step": self.step}
+        if len(self.val_idx):
+            final["val"] = last_val if (last_val and cfg.val_every and self.step % cfg.val_every == 0) \
+                else self.validate()
+        if self.latest_checkpoint() is None or not self.latest_checkpoint().name.endswith(f"{self.step:07d}"):
+            self.save_checkpoint()
+        sd = full_state_dict(self.model)  # a collective under FSDP
+        if self.dist.main:
+            self._write_final(final, sd)
+        self.dist.barrier()
+        return final
+
+    def _write_final(self, final: dict, state_dict: dict) -> None:
+        """The final checkpoint goes to --output itself, in the export format, beside metrics and the plot."""
+        tmp = self.out.parent / f".{self.out.name}.final"
+        save_drafter(self.model, tmp, extra_provenance={"train_config": config_to_dict(self.cfg), "final": final},
+                     state_dict=state_dict)
+        for f in ("config.json", "model.safetensors", "provenance.json"):
+            os.replace(tmp / f, self.out / f)
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_json(self.out / "final_metrics.json", final)
+        try:
+            from .plot import plot_metrics
+
+            plot_metrics(self.out / "metrics.jsonl", self.out / "training.png")
+        except Exception as e:  # a plot must never lose a trained model
+            print(f"[train] plot skipped: {e}")
+        print(f"[train] done at step {self.step}: checkpoint in {self.out}"
+              + (f"; val acceptance length (estimate, K={self.cfg.num_speculative_tokens}): "
+                 f"{final['val']['acceptance_length_estimate']:.3f}" if final.get("val") else ""))
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        """Held-out per-depth accuracy (every depth at every position, no COD) and the acceptance estimate."""
+        self.model.eval()
+        args = dict(self.train_args)
+        if "cod_ratio" in args:
+            args.update(cod_ratio=1.0, cod_ratio_min=1.0)
+        els, stats_acc, offset = [], None, 0
+        plan = epoch_plan(self.val_idx, self.lengths, self.source, self.cfg.batch_tokens, 0, 0)
+        for pack in plan:
+            b = self.target_head.slot_batch(self.source.get(pack))
+            with torch.autocast(self.device.split(":")[0], dtype=getattr(torch, self.cfg.autocast),
+                                enabled=self.cfg.autocast != "float32"):
+                loss, stats = self.model(b, generator=torch.Generator().manual_seed(0), **args)
+            stats["loss"] = float(loss)
+            stats_acc = _merge(stats_acc, stats)
+            a, d, c, v = stats["elements"]
+            els.append((a.cpu() + offset, d.cpu(), c.cpu(), v.cpu()))  # anchors of different packs kept apart
+            offset += len(b)
+        self.model.train()
+        a, d, c, v = (torch.cat([e[i] for e in els]) for i in range(4))
+        est = acceptance_estimate(a, d, c, v, self.num_depths)
+        K = min(self.cfg.num_speculative_tokens, self.num_depths)
+        al = est["acceptance_length"]
+        return {"acc": [x / max(1, n) for x, n in zip(stats_acc["correct"], stats_acc["count"])],
+                "conditional_acc": est["conditional_acc"], "acceptance_length_by_k": al,
+                "acceptance_length_estimate": al.get(K, max(al.values()) if al else 1.0),
+                "loss": stats_acc["loss"] / max(1, stats_acc["n"])}
+
+    def _tensorboard(self):
+        if not self.dist.main:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except Exception:
+            return None
+        return SummaryWriter(str(self.out / "tensorboard"))
+
+
+def _merge(acc: dict | None, stats: dict) -> dict:
+    """Sum per-depth correct counts and element counts over micro-batches."""
+    correct = [a * c if a == a else 0.0 for a, c in zip(stats["acc"], stats["count"])]
+    if acc is None:
+        return {"correct": correct, "count": list(stats["count"]), "loss": stats.get("loss", 0.0), "n": 1}
+    acc["correct"] = [x + y for x, y in zip(acc["correct"], correct)]
+    acc["count"] = [x + y for x, y in zip(acc["count"], stats["count"])]
+    acc["loss"] += stats.get("loss", 0.0)
+    acc["n"] += 1
+    return acc
+
+
+def train(cfg: TrainConfig, verifier=None, tokenizer=None) -> dict:
+    """Run `paradraft train`."""
+    return Trainer(cfg, verifier, tokenizer).train()

@@ -1,0 +1,169 @@
+"""Training: resume == uninterrupted, signals, NaN stop, metrics and plot, online == offline, DDP == one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import make_tiny_llama, make_tokenizer, save_tiny_verifier
+from paradraft.config import ExtractConfig, PrepareConfig, TrainConfig
+from paradraft.data.hidden_states import extract
+from paradraft.data.prepare import prepare
+from paradraft.models.loss import acceptance_estimate
+from paradraft.train.trainer import Trainer, TrainingError, train
+
+
+def make_data(tmp: Path, tok, n=40):
+    recs = [{"id": str(i), "messages": [{"role": "user", "content": f"what is {i}?"},
+                                        {"role": "assistant", "content": "Paris is the capital. " * (1 + i % 4)}]}
+            for i in range(n)]
+    (tmp / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    prepare(PrepareConfig(data=[str(tmp / "d.jsonl")], output=str(tmp / "data"), val_fraction=0.1, verifier="tiny"),
+            tokenizer=tok)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    tok = make_tokenizer("chatml")
+    model = make_tiny_llama(vocab_size=len(tok), layers=6)
+    make_data(tmp, tok)
+    extract(ExtractConfig(data=str(tmp / "data"), output=str(tmp / "hs"), samples_per_shard=10, dtype="float32"),
+            model=model, tokenizer=tok)
+    return tok, model, tmp
+
+
+def cfg(tmp, out, **kw):
+    base = dict(algorithm="peagle", data=str(tmp / "data"), hidden_states=str(tmp / "hs"), output=str(tmp / out),
+                draft_vocab_size=128, batch_tokens=200, max_steps=6, save_every=3, num_depths=4, warmup_steps=2,
+                lr=2e-3, verifier="tiny", autocast="float32")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_resume_after_signal_ends_with_identical_weights(world, algorithm):
+    tok, model, tmp = world
+    train(cfg(tmp, f"full-{algorithm}", algorithm=algorithm), verifier=model, tokenizer=tok)
+    # the same run, stopped by SIGTERM after step 2, then resumed
+    t = Trainer(cfg(tmp, f"cut-{algorithm}", algorithm=algorithm), verifier=model, tokenizer=tok)
+    real_step = t.opt.step
+
+    def step_then_signal(*a, **k):
+        real_step(*a, **k)
+        if t.step == 1:  # t.step is incremented after opt.step: this is the 2nd step
+            os.kill(os.getpid(), signal.SIGTERM)
+    t.opt.step = step_then_signal
+    with pytest.raises(KeyboardInterrupt, match="checkpoint saved at step 2"):
+        t.train()
+    assert (tmp / f"cut-{algorithm}" / "checkpoints" / "step-0000002").is_dir()
+    train(cfg(tmp, f"cut-{algorithm}", algorithm=algorithm, resume=True), verifier=model, tokenizer=tok)
+    a = load_file(str(tmp / f"full-{algorithm}" / "model.safetensors"))
+    b = load_file(str(tmp / f"cut-{algorithm}" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    la = [json.loads(x)["loss"] for x in (tmp / f"full-{algorithm}" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (tmp / f"cut-{algorithm}" / "metrics.jsonl").read_text().splitlines()]
+    assert la == lb and len(la) == 6
+
+
+def test_outputs_metrics_plot_and_config(world):
+    tok, model, tmp = world
+    final = train(cfg(tmp, "out", val_every=3), verifier=model, tokenizer=tok)
+    out = tmp / "out"
+    for f in ("config.json", "model.safetensors", "provenance.json", "metrics.jsonl", "training.png",
+              "train_config.yaml", "final_metrics.json"):
+        assert (out / f).is_file(), f
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7)) and all("loss" in r and len(r["acc"]) == 4 for r in rows)
+    assert "val" in rows[2] and 1.0 <= final["val"]["acceptance_length_estimate"] <= 5.0
+    assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "peagle"
+    assert len(list((out / "checkpoints").glob("step-*"))) == 2
+    with pytest.raises(TrainingError, match="--resume"):
+        Trainer(cfg(tmp, "out"), verifier=model, tokenizer=tok).train()
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(world, monkeypatch):
+    tok, model, tmp = world
+    t = Trainer(cfg(tmp, "nan", save_every=2), verifier=model, tokenizer=tok)
+    real = t.model.forward
+
+    def poisoned(b, **kw):
+        loss, stats = real(b, **kw)
+        return (loss * float("nan") if t.step >= 3 else loss), stats
+    t.wrapped = poisoned
+    with pytest.raises(TrainingError, match="non-finite loss.*step 3"):
+        t.train()
+    assert [p.name for p in (tmp / "nan" / "checkpoints").glob("step-*")] == ["step-0000002"]
+    assert not (tmp / "nan" / "model.safetensors").exists()
+
+
+def test_online_equals_offline_first_step(world):
+    tok, model, tmp = world
+    off = Trainer(cfg(tmp, "o1", max_steps=1), verifier=model, tokenizer=tok)
+    on = Trainer(cfg(tmp, "o2", max_steps=1, hidden_states=None, online=True), verifier=model, tokenizer=tok)
+    pack = [int(i) for i in off.train_idx[:3]]
+    b1 = off.target_head.slot_batch(off.source.get(pack))
+    b2 = on.target_head.slot_batch(on.source.get(pack))
+    torch.testing.assert_close(b1.hidden, b2.hidden, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(b1.target_p, b2.target_p, atol=1e-4, rtol=1e-4)
+    assert torch.equal(b1.valid, b2.valid) and torch.equal(b1.doc, b2.doc)
+
+
+def test_acceptance_estimate_formula():
+    # 3 chains (anchors 0..2), depths 0..2: correctness pattern per anchor
+    pattern = {0: [1, 1, 0], 1: [1, 0, 1], 2: [0, 1, 1]}
+    a = torch.tensor([k for k in pattern for _ in range(3)])
+    d = torch.tensor([j for _ in pattern for j in range(3)])
+    c = torch.tensor([v for k in pattern for v in pattern[k]], dtype=torch.bool)
+    est = acceptance_estimate(a, d, c, torch.ones(9, dtype=torch.bool), 3)
+    assert est["conditional_acc"] == [2 / 3, 1 / 2, 0.0]
+    assert est["acceptance_length"] == pytest.approx({1: 1 + 2 / 3, 2: 1 + 2 / 3 + 1 / 3, 3: 2.0})
+
+
+def test_torchrun_ddp_matches_one_process(tmp_path):
+    vdir = save_tiny_verifier(tmp_path)
+    tok = make_tokenizer("chatml")
+    make_data(tmp_path, tok)
+    base = ["--data", str(tmp_path / "data"), "--online", "--verifier", str(vdir), "--draft-vocab-size", "128",
+            "--batch-tokens", "200", "--max-steps", "3", "--num-depths", "3", "--warmup-steps", "1",
+            "--autocast", "float32", "--verifier-dtype", "float32", "--save-every", "100"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    one = subprocess.run([sys.executable, "-m", "paradraft", "train", "-o", str(tmp_path / "one"), "--grad-accum", "2",
+                          *base], capture_output=True, text=True, env=env, timeout=600)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          "29533", "-m", "paradraft", "train", "-o", str(tmp_path / "two"), *base],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    l1 = [json.loads(x)["loss"] for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    l2 = [json.loads(x)["loss"] for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert len(l1) == len(l2) == 3
+    for x, y in zip(l1, l2):
+        assert abs(x - y) <= 1e-5 * max(1.0, abs(x)), (l1, l2)
+    w1 = load_file(str(tmp_path / "one" / "model.safetensors"))
+    w2 = load_file(str(tmp_path / "two" / "model.safetensors"))
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4)
+    # FSDP (the path for large drafters on GPUs) runs on CPU too, with the same losses, and saves full weights
+    fsdp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29534", "-m", "paradraft", "train", "-o", str(tmp_path / "fsdp"), "--fsdp", *base],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    l3 = [json.loads(x)["loss"] for x in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+    assert l3 == pytest.approx(l2, rel=1e-5)
+    w3 = load_file(str(tmp_path / "fsdp" / "model.safetensors"))
+    assert w3.keys() == w1.keys()
+    for k in w1:
+        torch.testing.assert_close(w3[k], w2[k], atol=1e-5, rtol=1e-4)
+    assert sorted(p.name for p in (tmp_path / "fsdp" / "checkpoints").glob("*/optimizer-*.pt")) == \
+        ["optimizer-0.pt", "optimizer-1.pt"]
