@@ -1,0 +1,221 @@
+"""The speculative decoding engine: draft K, verify once, accept a prefix + one verifier token, roll back.
+
+Verifier: `VerifierRunner` (ragged per-row KV cache, rollback by length). Drafter: one flat `DraftCache` for the
+whole batch, each element tagged with its row as the document id, so the attention rule keeps rows apart.
+P-EAGLE drafts K tokens in ONE drafter pass; EAGLE-3 drafts them in K sequential passes that feed the drafter's
+hidden state forward. Without a drafter the same engine does plain autoregressive decoding (the baseline).
+Acceptance: `verify.greedy_accept` (T = 0) or `verify.rejection_accept` (T > 0), the distributions from
+`sampling.process_logits` on both sides.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.attention import Elements
+from ..models.common import DraftCache
+from .runner import VerifierRunner
+from .sampling import process_logits, sample
+from .verify import greedy_accept, rejection_accept
+
+
+@dataclass
+class GenerationConfig:
+    """How to decode."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    num_speculative_tokens: int = 7
+    seed: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    """One prompt's output and what it cost."""
+
+    token_ids: list[int]
+    num_verifier_passes: int = 0
+    accepted_per_pass: list[int] = field(default_factory=list)
+    time_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+class Engine:
+    """Generate with a verifier and an optional drafter (P-EAGLE or EAGLE-3)."""
+
+    def __init__(self, verifier, drafter=None, max_len: int = 4096):
+        self.verifier = verifier
+        self.drafter = drafter
+        aux = list(drafter.cfg.aux_layer_ids) if drafter is not None else []
+        self.runner = VerifierRunner(verifier, aux, max_batch=1, max_len=max_len)
+        self.vocab = verifier.config.vocab_size
+        if drafter is not None:
+            drafter.eval()
+            self.draft_ids = drafter.d2t + torch.arange(len(drafter.d2t), device=drafter.d2t.device)  # [Vd]
+
+    # ----------------------------------------------------------------------------------------- drafting
+
+    def _q(self, draft_logits: torch.Tensor, g: GenerationConfig) -> torch.Tensor:
+        """Drafter logits [..., Vd] -> proposal distribution over the TARGET vocabulary [..., V]."""
+        full = draft_logits.new_full((*draft_logits.shape[:-1], self.vocab), float("-inf"))
+        full[..., self.draft_ids] = draft_logits
+        return process_logits(full, g.temperature, g.top_p, g.top_k)
+
+    def _context_elements(self, ctx: list[tuple], rows: list[int]):
+        toks, hids, pos = [], [], []
+        for r in rows:
+            t, h, p = ctx[r]
+            toks.append(t)
+            hids.append(h)
+            pos.append(p)
+        n = [int(t.numel()) for t in toks]
+        doc = torch.cat([torch.full((k,), r, dtype=torch.long) for k, r in zip(n, rows)])
+        return torch.cat(toks), torch.cat(hids), torch.cat(pos), doc, n
+
+    @torch.inference_mode()
+    def _draft(self, ctx: list[tuple], rows: list[int], cache: DraftCache, g: GenerationConfig, gen):
+        """K draft tokens per row: -> (draft [R, K] target ids, q [R, K, V])."""
+        d = self.drafter
+        K = g.num_speculative_tokens
+        toks, hids, pos, doc, n = self._context_elements(ctx, rows)
+        hids = hids.to(d.fc.weight.dtype)
+        R = len(rows)
+        ends = torch.tensor(n).cumsum(0) - 1  # index of each row's last context element
+        if d.cfg.algorithm == "peagle":
+            # ONE pass: per row its new context slots, then K-1 mask slots anchored at its last slot
+            m_anchor = pos[ends].repeat_interleave(K - 1)
+            m_depth = torch.arange(1, K).repeat(R)
+            m_doc = torch.tensor(rows).repeat_interleave(K - 1)
+            depth = torch.cat([torch.zeros_like(pos), m_depth])
+            anchor = torch.cat([pos, m_anchor])
+            tok0 = torch.cat([toks, toks.new_zeros(R * (K - 1))])
+            hid0 = torch.cat([hids, hids.new_zeros(R * (K - 1), hids.shape[1])])
+            emb, hid = d.element_inputs(tok0, hid0, depth)
+            elems = Elements(anchor, depth, torch.cat([doc, m_doc]))
+            h, kv = d.run_layers(emb, hid, anchor + depth, elems, cache)
+            nc = int(pos.numel())
+            cache.append([(kk[:, :, :nc], vv[:, :, :nc]) for kk, vv in kv], elems.slice(0, nc))
+            first = h[ends]  # [R, H]
+            rest = h[nc:].view(R, K - 1, -1)
+            logits = d.logits(torch.cat([first[:, None], rest], 1))  # [R, K, Vd]
+            q = self._q(logits, g)
+            draft = q.argmax(-1) if g.temperature <= 0 else sample(q, gen)
+            return draft, q
+        # EAGLE-3: context step, then K-1 chain steps, each feeding the drafter's own hidden state forward
+        elems = Elements(pos, torch.zeros_like(pos), doc)
+        h, kv = d.run_layers(d.embed(toks), d.project(hids), pos, elems, cache)
+        cache.append(kv, elems)
+        keep = len(cache)
+        hp = h[ends]  # [R, H]
+        qs, drafts = [], []
+        q = self._q(d.logits(hp), g)
+        for s in range(1, K + 1):
+            x = q.argmax(-1) if g.temperature <= 0 else sample(q, gen)  # [R]
+            qs.append(q)
+            drafts.append(x)
+            if s == K:
+                break
+            a = pos[ends]
+            el = Elements(a, torch.full_like(a, s), torch.tensor(rows))
+            hp, kv = d.run_layers(d.embed(x), hp, a + s, el, cache)
+            cache.append(kv, el)
+            q = self._q(d.logits(hp), g)
+        cache.truncate(keep)  # chain elements are speculative: only context slots stay
+        return torch.stack(drafts, 1), torch.stack(qs, 1)
+
+    # ----------------------------------------------------------------------------------------- generate
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], g: GenerationConfig, on_tokens=None) -> list[Result]:
+        """Generate for a batch of tokenized prompts. on_tokens(row, new_ids) streams accepted tokens."""
+        t_start = time.perf_counter()
+        gen = torch.Generator().manual_seed(g.seed)
+        B = len(prompts)
+        dev = self.runner.device
+        self.runner.alloc(B)
+        res = [Result(token_ids=[]) for _ in range(B)]
+        eos = set(g.eos_token_ids)
+        ctx: list[tuple | None] = [None] * B  # new drafter context slots per row (tokens, hidden, positions)
+        pending = torch.zeros(B, dtype=torch.long)
+        for b, p in enumerate(prompts):  # prefill row by row (ragged prompts)
+            if len(p) + g.max_new_tokens + g.num_speculative_tokens + 1 > self.runner.max_len:
+                raise ValueError(f"prompt {b} of {len(p)} tokens + {g.max_new_tokens} new exceeds max_len "
+                                 f"{self.runner.max_len}")
+            logits, aux = self.runner.forward(torch.tensor([p], device=dev), rows=torch.tensor([b], device=dev))
+            probs = process_logits(logits[0, -1], g.temperature, g.top_p, g.top_k)
+            x = int(probs.argmax()) if g.temperature <= 0 else int(sample(probs, gen))
+            pending[b] = x
+            res[b].token_ids.append(x)
+            res[b].num_verifier_passes += 1
+            if on_tokens:
+                on_tokens(b, [x])
+            if self.drafter is not None:
+                toks = torch.tensor(p[1:] + [x])
+                ctx[b] = (toks, aux[0].float(), torch.arange(1, len(p) + 1))
+        res_time = time.perf_counter()
+        active = [b for b in range(B) if not (res[b].token_ids[-1] in eos or len(res[b].token_ids) >= g.max_new_tokens)]
+        cache = DraftCache()
+        while active:
+            rows = torch.tensor(active, device=dev)
+            if self.drafter is None:
+                t0 = time.perf_counter()
+                logits, _ = self.runner.forward(pending[active][:, None].to(dev), rows=rows)
+                probs = process_logits(logits[:, 0], g.temperature, g.top_p, g.top_k)
+                nxt = probs.argmax(-1) if g.temperature <= 0 else sample(probs, gen)
+                dt = time.perf_counter() - t0
+                for j, b in enumerate(active):
+                    x = int(nxt[j])
+                    res[b].token_ids.append(x)
+                    res[b].num_verifier_passes += 1
+                    res[b].accepted_per_pass.append(0)
+                    res[b].verify_s += dt
+                    pending[b] = x
+                    if on_tokens:
+                        on_tokens(b, [x])
+            else:
+                t0 = time.perf_counter()
+                draft, q = self._draft(ctx, active, cache, g, gen)  # [R, K], [R, K, V]
+                t1 = time.perf_counter()
+                start = self.runner.lengths[rows].clone()
+                inp = torch.cat([pending[active][:, None], draft], 1).to(dev)  # [R, K+1]
+                logits, aux = self.runner.forward(inp, rows=rows)
+                p = process_logits(logits, g.temperature, g.top_p, g.top_k)  # [R, K+1, V]
+                if g.temperature <= 0:
+                    n_acc, nxt = greedy_accept(draft, p.argmax(-1))
+                else:
+                    n_acc, nxt = rejection_accept(draft, q, p, gen)
+                self.runner.set_lengths(rows, start + n_acc.to(dev) + 1)  # roll back the rejected drafts
+                t2 = time.perf_counter()
+                for j, b in enumerate(active):
+                    m = int(n_acc[j])
+                    new = draft[j, :m].tolist() + [int(nxt[j])]
+                    room = g.max_new_tokens - len(res[b].token_ids)
+                    cut = new[:room]
+                    for i, t in enumerate(cut):
+                        if t in eos:
+                            cut = cut[:i + 1]
+                            break
+                    res[b].token_ids.extend(cut)
+                    res[b].num_verifier_passes += 1
+                    res[b].accepted_per_pass.append(m)
+                    res[b].draft_s += t1 - t0
+                    res[b].verify_s += t2 - t1
+                    pending[b] = new[-1]
+                    last_pos = int(start[j])  # position of the pending token fed this round
+                    ctx[b] = (torch.tensor(new), aux[j, :m + 1].float(),
+                              torch.arange(last_pos + 1, last_pos + m + 2))
+                    if on_tokens:
+                        on_tokens(b, cut)
+            active = [b for b in active if not (res[b].token_ids[-1] in eos or len(res[b].token_ids) >= g.max_new_tokens)]
+        total = time.perf_counter() - t_start
+        for r in res:
+            r.time_s = total
+        del res_time
+        return res
