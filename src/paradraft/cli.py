@@ -17,6 +17,7 @@ workflow (each step reads what the previous one wrote):
   vocab        draft vocabulary d2t / t2d from the trained-token frequencies
   extract      verifier aux hidden states (3 layers) + last hidden state -> safetensors shards (resumable, --shard K/N)
   train        P-EAGLE (depths + COD + parallel mask) or EAGLE-3 (training-time test); --online or --hidden-states
+  generate     lossless speculative decoding (greedy or sampled, batched); no --drafter = plain decoding
   quickstart   the whole workflow on the embedded SmolLM2-135M verifier (what `make demo` runs)
 
 every command takes its flags from `--config FILE.yaml` too (same keys; flags win).
@@ -57,6 +58,12 @@ def _cmd_train(cfg: C.TrainConfig) -> None:
     train(cfg)
 
 
+def _cmd_generate(cfg: C.GenerateConfig) -> None:
+    from .decode.generate import generate
+
+    generate(cfg)
+
+
 def _cmd_quickstart(cfg) -> None:
     from .quickstart import quickstart
 
@@ -69,6 +76,7 @@ COMMANDS: dict[str, tuple[type, callable, str]] = {
     "vocab": (C.VocabConfig, _cmd_vocab, "build the draft vocabulary (d2t, t2d)"),
     "extract": (C.ExtractConfig, _cmd_extract, "store verifier hidden states for training (or --validate them)"),
     "train": (C.TrainConfig, _cmd_train, "train a P-EAGLE or EAGLE-3 drafter (torchrun for DDP / FSDP)"),
+    "generate": (C.GenerateConfig, _cmd_generate, "speculative decoding with a drafter (plain decoding without)"),
 }
 
 

@@ -237,3 +237,25 @@ class TrainConfig:
     fsdp: bool = opt(False, help="shard the drafter with FSDP (torchrun, large drafters on GPUs)")
     device: str = opt("auto", help="cpu | cuda | auto")
     verifier_dtype: str = opt("bfloat16", help="verifier dtype (online mode and targets)", choices=["bfloat16", "float32"])
+
+
+@dataclasses.dataclass
+class GenerateConfig:
+    """`paradraft generate`: speculative decoding (or plain decoding without --drafter)."""
+
+    verifier: str = opt(DEFAULT_VERIFIER, help="verifier")
+    drafter: str | None = opt(None, help="drafter checkpoint directory (none = plain decoding, the baseline)")
+    prompt: str | None = opt(None, help="one user turn (wrapped by the chat template)")
+    prompts: str | None = opt(None, help="JSONL file: {id, prompt} or {id, messages} per line")
+    output: str | None = opt(None, help="output JSONL (default: print a summary)", short="-o")
+    max_new_tokens: int = opt(256, help="longest answer")
+    temperature: float = opt(0.0, help="0 = greedy")
+    top_p: float = opt(1.0, help="nucleus sampling")
+    top_k: int = opt(0, help="top-k sampling (0 = off)")
+    num_speculative_tokens: int = opt(7, help="K draft tokens per verifier pass")
+    batch_size: int = opt(1, help="prompts decoded together")
+    dtype: str = opt("bfloat16", help="verifier and drafter dtype", choices=["bfloat16", "float32"])
+    seed: int = opt(0, help="sampling seed")
+    stream: bool = opt(False, help="print text as it is accepted (batch size 1)")
+    force: bool = opt(False, help="use a drafter recorded for another verifier")
+    max_len: int = opt(4096, help="KV cache length per sequence")

@@ -1,0 +1,110 @@
+"""`paradraft generate`: prompts in, JSONL out, through the speculative decoding engine."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import GenerateConfig
+from .engine import Engine, GenerationConfig
+
+
+class PromptError(ValueError):
+    """A prompts file that cannot be used."""
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """Prompts JSONL: one object per line with `id` and either `prompt` (a user turn) or `messages`."""
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptError(f"{path}:{n}: not JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or not (isinstance(rec.get("prompt"), str) or
+                                                 isinstance(rec.get("messages"), list)):
+                raise PromptError(f"{path}:{n}: needs 'prompt' (string) or 'messages' (list)")
+            rec.setdefault("id", str(n))
+            out.append(rec)
+    if not out:
+        raise PromptError(f"{path} holds no prompts")
+    return out
+
+
+def encode_prompt(tokenizer, rec: dict) -> list[int]:
+    """Token ids of a prompt record through the chat template (generation prompt appended)."""
+    msgs = rec.get("messages") or [{"role": "user", "content": rec["prompt"]}]
+    if msgs and msgs[-1].get("role") == "assistant":
+        msgs = msgs[:-1]
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def load_engine(verifier_name: str, drafter: str | None, dtype: str, force: bool = False, max_len: int = 4096):
+    """(engine, tokenizer) ready to generate."""
+    from ..models.checkpoint import load_drafter
+    from ..verifier import load_verifier
+
+    model, tok = load_verifier(verifier_name, dtype=dtype)
+    d = None
+    if drafter:
+        d = load_drafter(drafter, verifier=model, verifier_name=verifier_name, force=force).to(getattr(torch, dtype))
+    return Engine(model, d, max_len=max_len), tok
+
+
+def generate(cfg: GenerateConfig) -> list[dict]:
+    """Run `paradraft generate`."""
+    if (cfg.prompt is None) == (cfg.prompts is None):
+        raise PromptError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
+    recs = [{"id": "0", "prompt": cfg.prompt}] if cfg.prompt is not None else read_prompts(cfg.prompts)
+    torch.set_grad_enabled(False)
+    engine, tok = load_engine(cfg.verifier, cfg.drafter, cfg.dtype, cfg.force, cfg.max_len)
+    eos = sorted({t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")
+                              if "<|im_end|>" in tok.get_vocab() else None) if t is not None})
+    g = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                         top_k=cfg.top_k, num_speculative_tokens=cfg.num_speculative_tokens, seed=cfg.seed,
+                         eos_token_ids=eos)
+    results = []
+    stream = cfg.stream and cfg.batch_size == 1
+    for s in range(0, len(recs), cfg.batch_size):
+        batch = recs[s:s + cfg.batch_size]
+        ids = [encode_prompt(tok, r) for r in batch]
+        shown: list[int] = []
+
+        def on_tokens(row, new):
+            shown.extend(new)
+            sys.stdout.write(tok.decode(new, skip_special_tokens=True))
+            sys.stdout.flush()
+        t0 = time.perf_counter()
+        outs = engine.generate(ids, g, on_tokens=on_tokens if stream else None)
+        dt = time.perf_counter() - t0
+        if stream:
+            sys.stdout.write("\n")
+        for r, o in zip(batch, outs):
+            results.append({"id": r["id"], "prompt": r.get("prompt", r.get("messages")),
+                            "text": tok.decode(o.token_ids, skip_special_tokens=True), "token_ids": o.token_ids,
+                            "num_new_tokens": len(o.token_ids), "num_verifier_passes": o.num_verifier_passes,
+                            "accepted_per_pass": o.accepted_per_pass, "time_s": round(dt, 4)})
+    if cfg.output:
+        Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+        with open(cfg.output, "w", encoding="utf-8") as fh:
+            for r in results:
+                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+    n_tok = sum(r["num_new_tokens"] for r in results)
+    passes = sum(r["num_verifier_passes"] for r in results)
+    secs = sum(r["time_s"] for r in results[:: max(1, cfg.batch_size)])
+    print(f"[generate] {len(results)} prompts, {n_tok} tokens, {n_tok / max(1, passes):.2f} tokens per verifier pass, "
+          f"{n_tok / max(1e-9, secs):.1f} tokens/s" + (f" -> {cfg.output}" if cfg.output else ""))
+    if not cfg.output and not stream:
+        for r in results:
+            print(f"--- {r['id']}\n{r['text']}")
+    return results
