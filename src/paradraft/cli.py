@@ -18,6 +18,8 @@ workflow (each step reads what the previous one wrote):
   extract      verifier aux hidden states (3 layers) + last hidden state -> safetensors shards (resumable, --shard K/N)
   train        P-EAGLE (depths + COD + parallel mask) or EAGLE-3 (training-time test); --online or --hidden-states
   generate     lossless speculative decoding (greedy or sampled, batched); no --drafter = plain decoding
+  bench        acceptance length, per-position acceptance, tokens/s, speedup, plot; plain / drafters / prompt lookup
+  export       the vLLM / speculators checkpoint (also converts original EAGLE-3 layouts) + the serve command
   quickstart   the whole workflow on the embedded SmolLM2-135M verifier (what `make demo` runs)
 
 every command takes its flags from `--config FILE.yaml` too (same keys; flags win).
@@ -64,6 +66,18 @@ def _cmd_generate(cfg: C.GenerateConfig) -> None:
     generate(cfg)
 
 
+def _cmd_bench(cfg: C.BenchConfig) -> None:
+    from .bench.run import bench
+
+    bench(cfg)
+
+
+def _cmd_export(cfg: C.ExportConfig) -> None:
+    from .export.vllm import export
+
+    export(cfg)
+
+
 def _cmd_quickstart(cfg) -> None:
     from .quickstart import quickstart
 
@@ -77,6 +91,8 @@ COMMANDS: dict[str, tuple[type, callable, str]] = {
     "extract": (C.ExtractConfig, _cmd_extract, "store verifier hidden states for training (or --validate them)"),
     "train": (C.TrainConfig, _cmd_train, "train a P-EAGLE or EAGLE-3 drafter (torchrun for DDP / FSDP)"),
     "generate": (C.GenerateConfig, _cmd_generate, "speculative decoding with a drafter (plain decoding without)"),
+    "bench": (C.BenchConfig, _cmd_bench, "acceptance length and speedup of drafters vs plain decoding"),
+    "export": (C.ExportConfig, _cmd_export, "write a checkpoint vLLM serves; print the `vllm serve` command"),
 }
 
 

@@ -14,9 +14,10 @@ import yaml
 T = TypeVar("T")
 
 
-def opt(default: Any = None, help: str = "", *, short: str | None = None, choices: list | None = None, factory=None):
-    """A config field with CLI help text; `factory` for mutable defaults."""
-    meta = {"help": help, "short": short, "choices": choices}
+def opt(default: Any = None, help: str = "", *, short: str | None = None, choices: list | None = None, factory=None,
+        positional: bool = False):
+    """A config field with CLI help text; `factory` for mutable defaults; `positional` also takes it bare."""
+    meta = {"help": help, "short": short, "choices": choices, "positional": positional}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -56,9 +57,12 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
         if base is bool:
             parser.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
         elif is_list:
-            parser.add_argument(*names, action="append", type=base, **kw)
+            parser.add_argument(*names, action="append", type=str, **kw)
         else:
             parser.add_argument(*names, type=base if base in (int, float) else str, **kw)
+        if f.metadata.get("positional"):
+            parser.add_argument(f"_pos_{f.name}", nargs="?", default=None, metavar=f.name.upper(),
+                                help=f"same as --{f.name.replace('_', '-')}")
     parser.add_argument("--config", dest="_config_file", default=None,
                         help="YAML file with the same keys as the flags (underscores or dashes); flags win")
 
@@ -68,10 +72,10 @@ def _coerce(name: str, value: Any, tp) -> Any:
     if value is None:
         return None
     if is_list:
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
         if not isinstance(value, (list, tuple)):
             value = [value]
+        if base in (int, float):  # "3,5,7" or ["3,5", "7"] -> [3, 5, 7]
+            value = [p for v in value for p in (v.split(",") if isinstance(v, str) else [v]) if p != ""]
         return [_coerce(name, v, base) for v in value]
     try:
         if base is bool:
@@ -114,7 +118,11 @@ def build_config(cls: type[T], yaml_path: str | Path | None = None, overrides: d
 
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
     """Build a config from parsed CLI args (see `add_config_args`)."""
-    return build_config(cls, getattr(args, "_config_file", None), vars(args))
+    values = dict(vars(args))
+    for k, v in vars(args).items():
+        if k.startswith("_pos_") and v is not None:
+            values[k[5:]] = v
+    return build_config(cls, getattr(args, "_config_file", None), values)
 
 
 def config_to_dict(cfg) -> dict:
@@ -259,3 +267,38 @@ class GenerateConfig:
     stream: bool = opt(False, help="print text as it is accepted (batch size 1)")
     force: bool = opt(False, help="use a drafter recorded for another verifier")
     max_len: int = opt(4096, help="KV cache length per sequence")
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    """`paradraft bench`: acceptance length, per-position acceptance, tokens/s and speedup, side by side."""
+
+    verifier: str = opt(DEFAULT_VERIFIER, help="verifier")
+    drafter: list[str] = opt(factory=list, help="drafter checkpoint (repeatable)")
+    dataset: str = opt("sharegpt-val", help="sharegpt-val (held-out split of --data) | humaneval | FILE.jsonl (prompts)")
+    data: str = opt("runs/quickstart/data", help="prepared data whose validation split is sharegpt-val")
+    num_prompts: int = opt(8, help="prompts")
+    max_new_tokens: int = opt(128, help="tokens per answer")
+    temperature: float = opt(0.0, help="0 = greedy")
+    top_p: float = opt(1.0, help="nucleus sampling")
+    num_speculative_tokens: list[int] = opt(factory=lambda: [3, 5, 7], help="K values, comma separated")
+    repeats: int = opt(2, help="repeats (interleaved); tokens/s is the median")
+    prompt_lookup: bool = opt(True, help="also run Hugging Face assisted generation with prompt lookup")
+    dtype: str = opt("bfloat16", help="dtype", choices=["bfloat16", "float32"])
+    output: str = opt("runs/bench/results.json", help="output JSON", short="-o")
+    plot: str | None = opt(None, help="PNG of speedup and acceptance length against K")
+    seed: int = opt(0, help="sampling seed")
+    force: bool = opt(False, help="use drafters recorded for another verifier")
+
+
+@dataclasses.dataclass
+class ExportConfig:
+    """`paradraft export`: write (or validate and convert) a drafter checkpoint that vLLM serves."""
+
+    drafter: str | None = opt(None, help="drafter checkpoint directory (paradraft, speculators or original EAGLE-3)",
+                              positional=True)
+    output: str | None = opt(None, help="output directory", short="-o")
+    verifier: str | None = opt(None, help="verifier (default: the one recorded in the drafter)")
+    dtype: str = opt("bfloat16", help="weights dtype", choices=["bfloat16", "float32"])
+    num_speculative_tokens: int | None = opt(None, help="K recorded in the config (default: the drafter's)")
+    force: bool = opt(False, help="export a drafter recorded for another verifier")

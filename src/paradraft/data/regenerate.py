@@ -68,29 +68,33 @@ def chat_endpoint(url: str, model: str, messages: list[dict], cfg: RegenerateCon
 
 
 class LocalGenerator:
-    """Batched generation with the verifier itself (left padding, greedy or sampled)."""
+    """Batched generation with the verifier itself, through paradraft's engine (greedy or sampled)."""
 
     def __init__(self, cfg: RegenerateConfig, model=None, tokenizer=None):
+        from ..decode.engine import Engine, GenerationConfig
+
         if model is None:
             from ..verifier import load_verifier
 
             model, tokenizer = load_verifier(cfg.verifier, dtype=cfg.dtype)
-        self.model, self.tok, self.cfg = model, tokenizer, cfg
-        self.tok.padding_side = "left"
-        if self.tok.pad_token_id is None:
-            self.tok.pad_token = self.tok.eos_token
+        self.tok, self.cfg = tokenizer, cfg
+        self.engine = Engine(model, max_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 16)
+        eos = {t for t in (tokenizer.eos_token_id,) if t is not None}
+        if "<|im_end|>" in tokenizer.get_vocab():
+            eos.add(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        self.gcfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                                     seed=cfg.seed, eos_token_ids=sorted(eos))
+        self.calls = 0
 
     @torch.inference_mode()
     def __call__(self, conversations: list[list[dict]]) -> list[str]:
-        texts = [self.tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
-        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        sample = self.cfg.temperature > 0
-        out = self.model.generate(
-            **enc, max_new_tokens=self.cfg.max_new_tokens, do_sample=sample,
-            temperature=self.cfg.temperature if sample else None, top_p=self.cfg.top_p if sample else None,
-            top_k=None, pad_token_id=self.tok.pad_token_id)
-        new = out[:, enc["input_ids"].shape[1]:]
-        return [self.tok.decode(row, skip_special_tokens=True).strip() for row in new]
+        from ..decode.generate import encode_prompt
+
+        ids = [encode_prompt(self.tok, {"messages": m})[-self.cfg.max_prompt_tokens:] for m in conversations]
+        self.gcfg.seed = self.cfg.seed + self.calls
+        self.calls += 1
+        outs = self.engine.generate(ids, self.gcfg)
+        return [self.tok.decode(o.token_ids, skip_special_tokens=True).strip() for o in outs]
 
 
 def regenerate(cfg: RegenerateConfig, generator=None) -> dict:
@@ -107,8 +111,23 @@ def regenerate(cfg: RegenerateConfig, generator=None) -> dict:
             else:
                 convs.append(item)
     random.Random(cfg.seed).shuffle(convs)
-    if cfg.max_samples is not None:
-        convs = convs[:cfg.max_samples]
+    # the first user turn (with any system turn) must fit --max-prompt-tokens: longer prompts are skipped, counted
+    from ..decode.generate import encode_prompt
+    from ..verifier import load_tokenizer
+
+    tok = getattr(generator, "tok", None) or load_tokenizer(cfg.verifier)
+    kept = []
+    for c in convs:
+        if cfg.max_samples is not None and len(kept) >= cfg.max_samples:
+            break
+        head = [m for m in c["messages"] if m["role"] == "system"][:1] + \
+            [m for m in c["messages"] if m["role"] == "user"][:1]
+        n = len(encode_prompt(tok, {"messages": head}))
+        if n > cfg.max_prompt_tokens:
+            skipped["prompt_too_long"] = skipped.get("prompt_too_long", 0) + 1
+            continue
+        kept.append(c)
+    convs = kept
     todo = [c for c in convs if c["id"] not in finished]
     torch.manual_seed(cfg.seed)
     if generator is None:

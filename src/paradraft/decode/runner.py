@@ -39,7 +39,7 @@ class VerifierRunner:
 
     def alloc(self, batch: int) -> None:
         """(Re)allocate empty caches for `batch` rows."""
-        shape = (batch, self.max_len, self.nkv, self.hd)
+        shape = (batch, self.nkv, self.max_len, self.hd)  # [B, KVH, S_max, D]
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.L)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.L)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
@@ -85,19 +85,34 @@ class VerifierRunner:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            self.k[i][ridx, pos] = k
-            self.v[i][ridx, pos] = v
-            kk = self.k[i][rows, :S] if Bq != self.k[i].shape[0] else self.k[i][:, :S]
-            vv = self.v[i][rows, :S] if Bq != self.v[i].shape[0] else self.v[i][:, :S]
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
-                                               attn_mask=None if (Bq == 1 and n == 1) else mask,
-                                               scale=attn.scaling, enable_gqa=self.nh != self.nkv)
+            self.k[i][ridx, :, pos] = k  # [B', n, KVH, D] into [B, KVH, S_max, D]
+            self.v[i][ridx, :, pos] = v
+            kk = self.k[i][rows, :, :S] if Bq != self.k[i].shape[0] else self.k[i][:, :, :S]  # [B', KVH, S, D]
+            vv = self.v[i][rows, :, :S] if Bq != self.v[i].shape[0] else self.v[i][:, :, :S]
+            o = self._attend(q.transpose(1, 2), kk, vv, mask, attn.scaling)  # [B', H, n, D]
             h = h + attn.o_proj(o.transpose(1, 2).reshape(Bq, n, self.nh * self.hd))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         logits = self.model.lm_head(self.inner.norm(h)).float()
         self.lengths[rows] = start + (n_valid if n_valid is not None else n)
         aux = torch.cat([dict(auxes)[i] for i in self.aux], dim=-1) if self.aux else h.new_zeros(Bq, n, 0)
         return logits, aux
+
+    def _attend(self, q, k, v, mask, scale):
+        """q [B, H, n, D], k/v [B, KVH, S, D], mask [B, 1, n, S] -> [B, H, n, D].
+
+        Few queries (decoding, verifying K+1 drafts): grouped matmuls, 5x faster than CPU SDPA here, which was
+        80% of a batch-16 decode step in the profile. Many queries (prefill): SDPA.
+        """
+        B, H, n, D = q.shape
+        if n > 16:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != self.nkv)
+        G = H // self.nkv
+        qg = q.reshape(B, self.nkv, G * n, D)  # head h = kv * G + g, rows ordered (g, i)
+        s = (qg @ k.transpose(-1, -2)).float() * scale  # [B, KVH, G*n, S]
+        m = mask.reshape(B, 1, 1, n, -1).expand(B, 1, G, n, mask.shape[-1]).reshape(B, 1, G * n, -1)
+        s = s.masked_fill(~m, float("-inf"))
+        p = torch.softmax(s, dim=-1).to(v.dtype)
+        return (p @ v).reshape(B, H, n, D)
 
     def set_lengths(self, rows: torch.Tensor, lengths: torch.Tensor) -> None:
         """Roll rows back (or forward) to these lengths; entries beyond are stale and masked."""

@@ -158,13 +158,55 @@ def config_from_speculators(cfg_json: dict) -> DraftConfig:
         verifier_architectures=list((spec.get("verifier") or {}).get("architectures") or []))
 
 
+def config_from_original_eagle3(cfg_json: dict) -> DraftConfig:
+    """DraftConfig from the original EAGLE-3 layout (`LlamaForCausalLMEagle3`, a flat Llama config)."""
+    H, heads = cfg_json["hidden_size"], cfg_json["num_attention_heads"]
+    rope = cfg_json.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg_json.get("rope_theta", 10000.0)}
+    if cfg_json.get("rope_scaling"):
+        rope = {**cfg_json["rope_scaling"], "rope_theta": cfg_json.get("rope_theta", 10000.0)}
+        rope["rope_type"] = rope.get("rope_type") or rope.get("type", "default")
+    ids = (cfg_json.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
+        or cfg_json.get("eagle_aux_hidden_state_layer_ids")
+    return DraftConfig(
+        algorithm="eagle3", flavour="llama", hidden_size=H, intermediate_size=cfg_json["intermediate_size"],
+        num_attention_heads=heads, num_key_value_heads=cfg_json.get("num_key_value_heads") or heads,
+        head_dim=cfg_json.get("head_dim") or H // heads, num_layers=cfg_json.get("num_hidden_layers", 1),
+        rms_norm_eps=cfg_json.get("rms_norm_eps", 1e-6), rope_parameters=dict(rope),
+        max_position_embeddings=cfg_json.get("max_position_embeddings", 8192), vocab_size=cfg_json["vocab_size"],
+        draft_vocab_size=cfg_json.get("draft_vocab_size") or cfg_json["vocab_size"],
+        aux_layer_ids=list(ids) if ids else [], target_hidden_size=cfg_json.get("target_hidden_size"),
+        norm_before_residual=cfg_json.get("norm_before_residual", False))
+
+
+def _is_original_eagle3(cfg_json: dict, keys) -> bool:
+    return "LlamaForCausalLMEagle3" in (cfg_json.get("architectures") or []) or any(k.startswith("midlayer.")
+                                                                                     for k in keys)
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    if (path / "model.safetensors").is_file():
+        return load_file(str(path / "model.safetensors"))
+    if (path / "pytorch_model.bin").is_file():  # the original EAGLE-3 releases
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise CheckpointError(f"{path} is not a drafter checkpoint (needs config.json and model.safetensors)")
+
+
 def load_drafter(path: str | Path, verifier=None, verifier_name: str | None = None, force: bool = False,
-                 device: str = "cpu") -> DraftModel:
-    """Load a drafter; with `verifier` given, check it fits (and take the verifier's embeddings if none saved)."""
+                 device: str = "cpu", allow_missing_embeddings: bool = False) -> DraftModel:
+    """Load a drafter (paradraft / speculators format, or the original EAGLE-3 layout).
+
+    With `verifier` given, check it fits (and take the verifier's embeddings if the checkpoint has none).
+    """
     path = Path(path)
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+    if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} is not a drafter checkpoint (needs config.json and model.safetensors)")
-    cfg = config_from_speculators(read_json(path / "config.json"))
+    cfg_json = read_json(path / "config.json")
+    sd = _read_weights(path)
+    if _is_original_eagle3(cfg_json, sd.keys()):
+        cfg = config_from_original_eagle3(cfg_json)
+        sd = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in sd.items()}
+    else:
+        cfg = config_from_speculators(cfg_json)
     if verifier is not None:
         check_compatible(cfg, verifier.config, verifier_name, force)
         if not cfg.aux_layer_ids:
@@ -172,11 +214,14 @@ def load_drafter(path: str | Path, verifier=None, verifier_name: str | None = No
 
             cfg.aux_layer_ids = default_aux_layers(verifier.config.num_hidden_layers)
     model = build_drafter(cfg)
-    sd = load_file(str(path / "model.safetensors"))
     if "embed_tokens.weight" not in sd:
-        if verifier is None:
+        if verifier is not None:
+            sd["embed_tokens.weight"] = verifier.get_input_embeddings().weight.detach().float()
+        elif allow_missing_embeddings:
+            sd["embed_tokens.weight"] = torch.zeros(cfg.vocab_size, cfg.hidden_size)
+        else:
             raise CheckpointError(f"{path} has no embed_tokens.weight; load it with its verifier")
-        sd["embed_tokens.weight"] = verifier.get_input_embeddings().weight.detach().float()
+    sd = {k: v for k, v in sd.items() if not k.startswith("rotary.")}
     if cfg.algorithm == "peagle":
         sd["mask_embedding"] = sd["embed_tokens.weight"][cfg.mask_token_id].clone()
         if sd["mask_hidden"].dim() == 3:

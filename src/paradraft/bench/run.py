@@ -1,0 +1,204 @@
+"""`paradraft bench`: plain decoding, every drafter at every K, and HF prompt lookup, on the same prompts.
+
+Metrics (one definition, here):
+  acceptance_length       tokens emitted per verifier pass in the speculative loop = mean(accepted) + 1
+                          (the +1 is the verifier's own bonus / correction token); 1 <= AL <= K + 1
+  per_position_acceptance [K]: fraction of verifier passes in which draft position i (1-based) was accepted
+  tokens_per_s            new tokens / wall time (prefill included), median over --repeats (interleaved runs)
+  speedup                 tokens_per_s / tokens_per_s of plain decoding in the same run
+  draft_fraction          drafting time / (drafting + verifying) in the speculative loop
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import BenchConfig
+from ..decode.engine import Engine, GenerationConfig
+from ..decode.generate import encode_prompt, read_prompts
+
+
+def load_prompts(cfg: BenchConfig, tok) -> list[list[int]]:
+    """Token ids of the benchmark prompts (chat template applied, generation prompt appended)."""
+    if cfg.dataset == "humaneval":
+        from ..data.sources import read_humaneval
+
+        recs = [{"prompt": r["messages"][0]["content"]} for r in read_humaneval()]
+        return [encode_prompt(tok, r) for r in recs[: cfg.num_prompts]]
+    if cfg.dataset == "sharegpt-val":
+        from ..data.prepare import PreparedDataset
+
+        ds = PreparedDataset(cfg.data)
+        out = []
+        for i in ds.indices("val"):
+            ids, mask = ds.sample(int(i))
+            first = int(np.argmax(mask)) if mask.any() else 0
+            if first > 0:
+                out.append(ids[:first].tolist())  # system + first user turn + assistant header
+            if len(out) >= cfg.num_prompts:
+                break
+        if not out:
+            raise ValueError(f"{cfg.data} has no validation samples to use as prompts")
+        return out
+    return [encode_prompt(tok, r) for r in read_prompts(cfg.dataset)[: cfg.num_prompts]]
+
+
+def _summ(results, wall: float) -> dict:
+    toks = sum(len(r.token_ids) for r in results)
+    acc = [a for r in results for a in r.accepted_per_pass]
+    K = max([0] + acc)
+    draft = sum(r.draft_s for r in results)
+    verify = sum(r.verify_s for r in results)
+    return {"tokens": toks, "wall_s": wall, "passes": len(acc),
+            "acceptance_length": (float(np.mean(acc)) + 1) if acc else 1.0,
+            "accepted": acc, "draft_s": draft, "verify_s": verify, "K_seen": K}
+
+
+def _run_engine(engine: Engine, prompts, g: GenerationConfig) -> dict:
+    t0 = time.perf_counter()
+    res = [engine.generate([p], g)[0] for p in prompts]
+    return _summ(res, time.perf_counter() - t0)
+
+
+def _run_prompt_lookup(model, prompts, g: GenerationConfig, k: int, pad_id) -> dict:
+    calls = {"n": 0}
+    real = model.forward
+
+    def counted(*a, **kw):
+        calls["n"] += 1
+        return real(*a, **kw)
+    model.forward = counted
+    toks = 0
+    t0 = time.perf_counter()
+    try:
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=g.max_new_tokens,
+                                 do_sample=False, prompt_lookup_num_tokens=k, eos_token_id=g.eos_token_ids,
+                                 pad_token_id=pad_id)
+            toks += out.shape[1] - len(p)
+    finally:
+        del model.forward
+    wall = time.perf_counter() - t0
+    passes = max(1, calls["n"] - len(prompts))  # minus the prefills
+    return {"tokens": toks, "wall_s": wall, "passes": passes, "acceptance_length": (toks - len(prompts)) / passes,
+            "accepted": None, "draft_s": 0.0, "verify_s": 0.0}
+
+
+def bench(cfg: BenchConfig) -> dict:
+    """Run `paradraft bench`; returns the results dict (also written to cfg.output)."""
+    from ..models.checkpoint import load_drafter
+    from ..verifier import load_verifier
+
+    torch.set_grad_enabled(False)
+    model, tok = load_verifier(cfg.verifier, dtype=cfg.dtype)
+    prompts = load_prompts(cfg, tok)
+    eos = sorted({t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")
+                              if "<|im_end|>" in tok.get_vocab() else None) if t is not None})
+    drafters = []
+    for path in cfg.drafter:
+        d = load_drafter(path, verifier=model, verifier_name=cfg.verifier, force=cfg.force).to(getattr(torch, cfg.dtype))
+        drafters.append((path, d))
+    methods = [("plain", None, None, 0)]
+    for path, d in drafters:
+        for k in cfg.num_speculative_tokens:
+            methods.append((d.cfg.algorithm, path, d, k))
+    if cfg.prompt_lookup and cfg.temperature <= 0:
+        methods += [("prompt_lookup", None, None, k) for k in cfg.num_speculative_tokens]
+    engines = {None: Engine(model, max_len=8192)}
+    for path, d in drafters:
+        engines[path] = Engine(model, d, max_len=8192)
+    runs: dict[tuple, list[dict]] = {(m, p, k): [] for m, p, _, k in methods}
+    warm = GenerationConfig(max_new_tokens=8, eos_token_ids=eos)
+    _run_engine(engines[None], prompts[:1], warm)
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.repeats * len(methods), desc="bench", unit="run", disable=None)
+    for rep in range(cfg.repeats):  # interleaved: every method once per repeat
+        for m, path, d, k in methods:
+            g = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                                 num_speculative_tokens=max(1, k), seed=cfg.seed + rep, eos_token_ids=eos)
+            if m == "prompt_lookup":
+                runs[(m, path, k)].append(_run_prompt_lookup(model, prompts, g, k, tok.pad_token_id))
+            else:
+                runs[(m, path, k)].append(_run_engine(engines[path], prompts, g))
+            bar.update(1)
+    bar.close()
+    plain_tps = statistics.median(r["tokens"] / r["wall_s"] for r in runs[("plain", None, 0)])
+    results = []
+    for m, path, d, k in methods:
+        rs = runs[(m, path, k)]
+        tps = statistics.median(r["tokens"] / r["wall_s"] for r in rs)
+        acc = [a for r in rs for a in (r["accepted"] or [])]
+        per_pos = [float(np.mean([a >= i for a in acc])) for i in range(1, k + 1)] if acc else None
+        ds, vs = sum(r["draft_s"] for r in rs), sum(r["verify_s"] for r in rs)
+        results.append({
+            "method": m, "drafter": path, "k": k,
+            "acceptance_length": float(np.mean([r["acceptance_length"] for r in rs])) if m != "plain" else 1.0,
+            "per_position_acceptance": per_pos, "tokens_per_s": tps, "speedup": tps / plain_tps,
+            "draft_fraction": ds / (ds + vs) if ds + vs > 0 else None,
+            "tokens": int(np.median([r["tokens"] for r in rs])),
+        })
+    out = {"date": time.strftime("%Y-%m-%d %H:%M"), "verifier": cfg.verifier, "dataset": cfg.dataset,
+           "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+           "dtype": cfg.dtype, "repeats": cfg.repeats, "threads": torch.get_num_threads(), "results": results}
+    Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(cfg.output).write_text(json.dumps(out, indent=2) + "\n")
+    print(format_table(out))
+    if cfg.plot:
+        plot_results(out, cfg.plot)
+    print(f"[bench] -> {cfg.output}" + (f", {cfg.plot}" if cfg.plot else ""))
+    return out
+
+
+def format_table(out: dict) -> str:
+    """Markdown table of bench results."""
+    lines = [f"{out['dataset']}, {out['num_prompts']} prompts, {out['max_new_tokens']} new tokens, "
+             f"T={out['temperature']}, {out['dtype']}",
+             "| method | drafter | K | acceptance length | tokens/s | speedup | draft time | per-position acceptance |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in out["results"]:
+        pp = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]) if r["per_position_acceptance"] else "-"
+        df = f"{r['draft_fraction']:.0%}" if r["draft_fraction"] is not None else "-"
+        name = Path(r["drafter"]).name if r["drafter"] else "-"
+        lines.append(f"| {r['method']} | {name} | {r['k']} | {r['acceptance_length']:.2f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {df} | {pp} |")
+    return "\n".join(lines)
+
+
+def plot_results(out: dict, path: str | Path) -> Path:
+    """PNG: speedup (left) and acceptance length (right) against K, one line per method/drafter."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict[str, list] = {}
+    for r in out["results"]:
+        if r["method"] == "plain":
+            continue
+        label = r["method"] + (f" ({Path(r['drafter']).name})" if r["drafter"] else "")
+        series.setdefault(label, []).append(r)
+    for label, rs in series.items():
+        rs = sorted(rs, key=lambda r: r["k"])
+        a1.plot([r["k"] for r in rs], [r["speedup"] for r in rs], marker="o", label=label)
+        a2.plot([r["k"] for r in rs], [r["acceptance_length"] for r in rs], marker="o", label=label)
+    a1.axhline(1.0, color="gray", ls="--", lw=1, label="plain decoding")
+    a1.set_xlabel("K (draft tokens per verifier pass)")
+    a1.set_ylabel("speedup over plain decoding")
+    a2.set_xlabel("K")
+    a2.set_ylabel("acceptance length (tokens per verifier pass)")
+    a1.legend(fontsize=8)
+    a2.legend(fontsize=8)
+    fig.suptitle(f"{out['verifier']} on {out['dataset']}, T={out['temperature']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,1 @@
+"""Export drafters to the checkpoint format vLLM serves, and import other layouts."""

@@ -1,0 +1,50 @@
+"""`paradraft export`: a checkpoint vLLM loads as an EAGLE-3 or P-EAGLE speculator, plus the serve command."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import torch
+
+from ..config import ExportConfig
+from ..models.checkpoint import CheckpointError, load_drafter, save_drafter
+
+
+def speculative_config(drafter_dir: str, algorithm: str, k: int) -> dict:
+    """vLLM's --speculative-config for a drafter directory."""
+    cfg = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": k}
+    if algorithm == "peagle":
+        cfg["parallel_drafting"] = True
+    return cfg
+
+
+def serve_command(verifier_path: str, drafter_dir: str, algorithm: str, k: int) -> str:
+    """The exact `vllm serve` command line."""
+    spec = json.dumps(speculative_config(drafter_dir, algorithm, k))
+    return f"vllm serve {shlex.quote(verifier_path)} --speculative-config {shlex.quote(spec)}"
+
+
+def export(cfg: ExportConfig) -> Path:
+    """Run `paradraft export`; returns the output directory."""
+    from ..verifier import load_verifier, resolve_verifier
+
+    if not cfg.drafter or not cfg.output:
+        raise CheckpointError("usage: paradraft export DRAFTER --output OUT")
+    probe = load_drafter(cfg.drafter, verifier=None, allow_missing_embeddings=True)
+    verifier_name = cfg.verifier or probe.cfg.verifier
+    if not verifier_name:
+        raise CheckpointError(f"{cfg.drafter} records no verifier; pass --verifier")
+    model, _ = load_verifier(verifier_name, dtype=torch.float32)
+    drafter = load_drafter(cfg.drafter, verifier=model, verifier_name=verifier_name, force=cfg.force)
+    drafter.cfg.verifier = resolve_verifier(verifier_name)  # a path or id vLLM can open
+    drafter.cfg.verifier_architectures = list(model.config.architectures or [])
+    if cfg.num_speculative_tokens:
+        drafter.cfg.num_speculative_tokens = cfg.num_speculative_tokens
+    out = save_drafter(drafter, cfg.output, dtype=getattr(torch, cfg.dtype),
+                       extra_provenance={"exported_from": str(Path(cfg.drafter).resolve())})
+    k = drafter.cfg.num_speculative_tokens
+    print(f"[export] {drafter.cfg.algorithm} drafter -> {out} ({cfg.dtype}); serve it with:")
+    print("  " + serve_command(drafter.cfg.verifier, str(Path(out).resolve()), drafter.cfg.algorithm, k))
+    return out

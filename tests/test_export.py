@@ -1,0 +1,106 @@
+"""Export for vLLM and import of other layouts (speculators without paradraft keys, original EAGLE-3 `midlayer`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import make_tokenizer, save_tiny_verifier
+from test_models import all_elements, random_slots
+from paradraft.config import ExportConfig
+from paradraft.export.vllm import export, serve_command
+from paradraft.models.checkpoint import build_drafter, load_drafter, save_drafter
+from paradraft.models.common import DraftConfig
+from paradraft.data.vocab import build_vocab
+
+
+def trained_like(verifier, algorithm):
+    torch.manual_seed(0)
+    cfg = DraftConfig.from_verifier(verifier.config, algorithm=algorithm, draft_vocab_size=200,
+                                    mask_token_id=len(make_tokenizer()) - 1 if algorithm == "peagle" else None,
+                                    verifier=str(verifier.name_or_path))
+    d = build_drafter(cfg)
+    d2t, t2d = build_vocab(torch.arange(verifier.config.vocab_size).numpy() + 1, 200, verifier.config.vocab_size)
+    d.init_from_verifier(verifier, d2t, t2d)
+    with torch.no_grad():
+        for n, p in d.named_parameters():
+            if p.requires_grad and "norm" not in n:
+                p.normal_(0, 0.2)
+    return d.eval()
+
+
+def same_logits(a, b, algorithm):
+    batch = random_slots(16, a)
+    with torch.no_grad():
+        if algorithm == "peagle":
+            el = all_elements(16, 3)
+            return torch.allclose(a.train_forward(batch, 3, anchors=el)[2], b.train_forward(batch, 3, anchors=el)[2],
+                                  atol=1e-5)
+        return torch.allclose(a.train_forward(batch, 3)[2][2], b.train_forward(batch, 3)[2][2], atol=1e-5)
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_export_writes_vllm_checkpoint_and_command(tmp_path, capsys, algorithm):
+    from transformers import AutoModelForCausalLM
+
+    vdir = save_tiny_verifier(tmp_path)
+    verifier = AutoModelForCausalLM.from_pretrained(vdir)
+    d = trained_like(verifier, algorithm)
+    save_drafter(d, tmp_path / "trained")
+    out = export(ExportConfig(drafter=str(tmp_path / "trained"), output=str(tmp_path / "exp"), dtype="float32"))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(vdir)
+    assert cfg["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    text = capsys.readouterr().out
+    assert "vllm serve" in text and '"method": "eagle3"' in text
+    assert ('"parallel_drafting": true' in text) == (algorithm == "peagle")
+    assert same_logits(d, load_drafter(out, verifier=verifier), algorithm)
+    cmd = serve_command(str(vdir), str(out), algorithm, 7)
+    assert '"num_speculative_tokens": 7' in cmd
+
+
+def test_import_speculators_checkpoint_without_paradraft_keys(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    vdir = save_tiny_verifier(tmp_path)
+    verifier = AutoModelForCausalLM.from_pretrained(vdir)
+    d = trained_like(verifier, "peagle")
+    save_drafter(d, tmp_path / "c")
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    del cfg["paradraft"]  # as another tool writes it
+    (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
+    sd = load_file(str(tmp_path / "c" / "model.safetensors"))
+    sd["mask_hidden"] = sd["mask_hidden"].view(1, 1, -1)  # the (1, 1, 3H) shape some writers use
+    save_file(sd, str(tmp_path / "c" / "model.safetensors"))
+    loaded = load_drafter(tmp_path / "c", verifier=verifier)
+    assert loaded.cfg.mask_token_id == d.cfg.mask_token_id and loaded.cfg.norm_before_residual is False
+    assert same_logits(d, loaded, "peagle")
+
+
+def test_import_original_eagle3_layout(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    vdir = save_tiny_verifier(tmp_path)
+    verifier = AutoModelForCausalLM.from_pretrained(vdir)
+    d = trained_like(verifier, "eagle3")
+    src = tmp_path / "orig"
+    src.mkdir()
+    sd = {k.replace("layers.0.", "midlayer."): v.contiguous() for k, v in d.state_dict().items()
+          if not k.startswith("rotary.") and k != "embed_tokens.weight"}
+    torch.save(sd, src / "pytorch_model.bin")
+    c = d.cfg
+    (src / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_parameters["rope_theta"], "vocab_size": c.vocab_size, "draft_vocab_size": 200,
+        "max_position_embeddings": 512}))
+    loaded = load_drafter(src, verifier=verifier)  # embeddings come from the verifier
+    assert loaded.cfg.algorithm == "eagle3" and loaded.cfg.aux_layer_ids == [2, 3, 3]
+    assert same_logits(d, loaded, "eagle3")
+    out = export(ExportConfig(drafter=str(src), output=str(tmp_path / "converted"), verifier=str(vdir),
+                              dtype="float32"))
+    assert "layers.0.hidden_norm.weight" in load_file(str(out / "model.safetensors"))
