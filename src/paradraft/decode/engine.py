@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models.attention import Elements
 from ..models.common import DraftCache
 from .runner import VerifierRunner
 from .sampling import process_logits, sample
@@ -68,65 +67,35 @@ class Engine:
         full[..., self.draft_ids] = draft_logits
         return process_logits(full, g.temperature, g.top_p, g.top_k)
 
-    def _context_elements(self, ctx: list[tuple], rows: list[int]):
-        toks, hids, pos = [], [], []
-        for r in rows:
-            t, h, p = ctx[r]
-            toks.append(t)
-            hids.append(h)
-            pos.append(p)
-        n = [int(t.numel()) for t in toks]
-        doc = torch.cat([torch.full((k,), r, dtype=torch.long) for k, r in zip(n, rows)])
-        return torch.cat(toks), torch.cat(hids), torch.cat(pos), doc, n
-
     @torch.inference_mode()
     def _draft(self, ctx: list[tuple], rows: list[int], cache: DraftCache, g: GenerationConfig, gen):
         """K draft tokens per row: -> (draft [R, K] target ids, q [R, K, V])."""
         d = self.drafter
         K = g.num_speculative_tokens
-        toks, hids, pos, doc, n = self._context_elements(ctx, rows)
-        hids = hids.to(d.fc.weight.dtype)
-        R = len(rows)
-        ends = torch.tensor(n).cumsum(0) - 1  # index of each row's last context element
-        if d.cfg.algorithm == "peagle":
-            # ONE pass: per row its new context slots, then K-1 mask slots anchored at its last slot
-            m_anchor = pos[ends].repeat_interleave(K - 1)
-            m_depth = torch.arange(1, K).repeat(R)
-            m_doc = torch.tensor(rows).repeat_interleave(K - 1)
-            depth = torch.cat([torch.zeros_like(pos), m_depth])
-            anchor = torch.cat([pos, m_anchor])
-            tok0 = torch.cat([toks, toks.new_zeros(R * (K - 1))])
-            hid0 = torch.cat([hids, hids.new_zeros(R * (K - 1), hids.shape[1])])
-            emb, hid = d.element_inputs(tok0, hid0, depth)
-            elems = Elements(anchor, depth, torch.cat([doc, m_doc]))
-            h, kv = d.run_layers(emb, hid, anchor + depth, elems, cache)
-            nc = int(pos.numel())
-            cache.append([(kk[:, :, :nc], vv[:, :, :nc]) for kk, vv in kv], elems.slice(0, nc))
-            first = h[ends]  # [R, H]
-            rest = h[nc:].view(R, K - 1, -1)
-            logits = d.logits(torch.cat([first[:, None], rest], 1))  # [R, K, Vd]
-            q = self._q(logits, g)
+        toks = torch.cat([ctx[r][0] for r in rows])
+        hids = torch.cat([ctx[r][1] for r in rows]).to(d.fc.weight.dtype)
+        pos = torch.cat([ctx[r][2] for r in rows])
+        counts = [int(ctx[r][0].numel()) for r in rows]
+        doc = torch.tensor(rows)  # each row is its own document in the shared drafter cache
+        if d.cfg.algorithm == "peagle":  # ONE drafter pass for all K
+            q = self._q(d.draft(toks, hids, pos, K, cache, doc=doc, counts=counts), g)  # [R, K, V]
             draft = q.argmax(-1) if g.temperature <= 0 else sample(q, gen)
             return draft, q
-        # EAGLE-3: context step, then K-1 chain steps, each feeding the drafter's own hidden state forward
-        elems = Elements(pos, torch.zeros_like(pos), doc)
-        h, kv = d.run_layers(d.embed(toks), d.project(hids), pos, elems, cache)
-        cache.append(kv, elems)
+        # EAGLE-3: a context step, then K-1 chain steps feeding the drafter's own hidden state forward
+        logits, h = d.context_step(toks, hids, pos, cache, doc=doc.repeat_interleave(torch.tensor(counts)))
         keep = len(cache)
-        hp = h[ends]  # [R, H]
+        ends = torch.tensor(counts).cumsum(0) - 1
+        hp, anchor = h[ends], pos[ends]  # [R, H], [R]
+        q = self._q(logits[ends], g)
         qs, drafts = [], []
-        q = self._q(d.logits(hp), g)
         for s in range(1, K + 1):
             x = q.argmax(-1) if g.temperature <= 0 else sample(q, gen)  # [R]
             qs.append(q)
             drafts.append(x)
             if s == K:
                 break
-            a = pos[ends]
-            el = Elements(a, torch.full_like(a, s), torch.tensor(rows))
-            hp, kv = d.run_layers(d.embed(x), hp, a + s, el, cache)
-            cache.append(kv, el)
-            q = self._q(d.logits(hp), g)
+            lg, hp = d.chain_step(x, hp, anchor, s, cache, doc=doc)
+            q = self._q(lg, g)
         cache.truncate(keep)  # chain elements are speculative: only context slots stay
         return torch.stack(drafts, 1), torch.stack(qs, 1)
 

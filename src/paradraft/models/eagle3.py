@@ -65,22 +65,24 @@ class Eagle3Drafter(DraftModel):
         return loss, stats
 
     def context_step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                     cache: DraftCache | None = None):
-        """Step 0 on n new context slots: tokens [n], hidden [n, 3Hv] -> (logits [n, Vd], prenorm [n, H])."""
+                     cache: DraftCache | None = None, doc: torch.Tensor | None = None):
+        """Step 0 on n new context slots: tokens [n], hidden [n, 3Hv], positions [n], doc [n] (row ids, default 0)
+        -> (logits [n, Vd], prenorm [n, H])."""
         depth = torch.zeros_like(positions)
-        elems = Elements(positions, depth, torch.zeros_like(positions))
+        elems = Elements(positions, depth, torch.zeros_like(positions) if doc is None else doc)
         h, kv = self.run_layers(self.embed(tokens), self.project(hidden), positions, elems, cache)
         if cache is not None:
             cache.append(kv, elems)
         return self.logits(h), h
 
-    def chain_step(self, token: torch.Tensor, prev_hidden: torch.Tensor, anchor: int, step: int,
-                   cache: DraftCache):
-        """Draft step `step` >= 1: token [1] (target vocab), prev_hidden [1, H] -> (logits [1, Vd], prenorm [1, H])."""
+    def chain_step(self, token: torch.Tensor, prev_hidden: torch.Tensor, anchor, step: int, cache: DraftCache,
+                   doc: torch.Tensor | None = None):
+        """Draft step `step` >= 1 for R rows: token [R] (target vocab), prev_hidden [R, H], anchor [R] (or an int)
+        -> (logits [R, Vd], prenorm [R, H]). The new elements join the cache (the caller truncates them)."""
         dev = token.device
-        a = torch.tensor([anchor], device=dev)
-        d = torch.tensor([step], device=dev)
-        elems = Elements(a, d, torch.zeros_like(a))
+        a = torch.as_tensor(anchor, device=dev).reshape(-1).expand(token.shape[0])
+        d = torch.full_like(a, step)
+        elems = Elements(a, d, torch.zeros_like(a) if doc is None else doc)
         h, kv = self.run_layers(self.embed(token), prev_hidden, a + d, elems, cache)
         cache.append(kv, elems)
         return self.logits(h), h

@@ -136,21 +136,32 @@ class PEagleDrafter(DraftModel):
         return loss, stats
 
     def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, k: int,
-              cache: DraftCache | None = None):
-        """ONE forward pass: new context slots + (k-1) mask slots -> draft logits [k, Vd].
+              cache: DraftCache | None = None, doc: torch.Tensor | None = None,
+              counts: list[int] | None = None) -> torch.Tensor:
+        """ONE forward pass: new context slots + (k-1) mask slots per row -> draft logits [R, k, Vd] ([k, Vd] for
+        a single row given without `counts`).
 
-        tokens [n], hidden [n, 3Hv], positions [n] of the n new context slots (anchor = position); the cache holds
-        the context slots of earlier rounds and receives the new ones (mask slots are never cached).
+        tokens [n], hidden [n, 3Hv], positions [n] are the new context slots of all rows, concatenated (anchor =
+        position); counts[r] of them belong to row r, whose document id is doc[r] (default: one row, doc 0). The
+        cache holds the context slots of earlier rounds and receives the new ones (mask slots are never cached).
         """
-        n = int(tokens.shape[0])
+        single = counts is None
+        counts = counts or [int(tokens.shape[0])]
         dev = tokens.device
-        depth = torch.cat([torch.zeros(n, dtype=torch.long, device=dev), torch.arange(1, k, device=dev)])
-        anchor = torch.cat([positions, positions[-1].expand(k - 1)])
-        tok0 = torch.cat([tokens, tokens.new_zeros(k - 1)])
-        hid0 = torch.cat([hidden, hidden.new_zeros(k - 1, hidden.shape[1])])
+        R = len(counts)
+        doc = torch.zeros(R, dtype=torch.long, device=dev) if doc is None else doc
+        n = int(tokens.shape[0])
+        ends = torch.tensor(counts, device=dev).cumsum(0) - 1  # each row's last context slot
+        ctx_doc = doc.repeat_interleave(torch.tensor(counts, device=dev))
+        depth = torch.cat([torch.zeros(n, dtype=torch.long, device=dev), torch.arange(1, k, device=dev).repeat(R)])
+        anchor = torch.cat([positions, positions[ends].repeat_interleave(k - 1)])
+        tok0 = torch.cat([tokens, tokens.new_zeros(R * (k - 1))])
+        hid0 = torch.cat([hidden, hidden.new_zeros(R * (k - 1), hidden.shape[1])])
         emb, hid = self.element_inputs(tok0, hid0, depth)
-        elems = Elements(anchor, depth, torch.zeros_like(anchor))
+        elems = Elements(anchor, depth, torch.cat([ctx_doc, doc.repeat_interleave(k - 1)]))
         h, kv = self.run_layers(emb, hid, anchor + depth, elems, cache)
         if cache is not None:
             cache.append([(kk[:, :, :n], vv[:, :, :n]) for kk, vv in kv], elems.slice(0, n))
-        return self.logits(h[n - 1:])  # [k, Vd]
+        slots = torch.cat([h[ends][:, None], h[n:].view(R, k - 1, -1)], 1)  # [R, k, H]
+        logits = self.logits(slots)  # [R, k, Vd]
+        return logits[0] if single else logits
