@@ -18,7 +18,6 @@ import torch
 from paradraft.data.sources import read_humaneval
 from paradraft.decode.engine import Engine, GenerationConfig
 from paradraft.decode.generate import encode_prompt
-from paradraft.models.attention import Elements
 from paradraft.models.checkpoint import build_drafter, load_drafter
 from paradraft.models.common import DraftCache, DraftConfig
 from paradraft.verifier import load_verifier

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from conftest import make_tiny_llama
 from paradraft.config import PrepareConfig, VocabConfig

@@ -30,75 +30,34 @@ class _Fmt(argparse.RawDescriptionHelpFormatter):
     pass
 
 
-def _cmd_prepare(cfg: C.PrepareConfig) -> None:
-    from .data.prepare import prepare
+def _lazy(target: str):
+    """A command function imported on first use ("module:function"), so `paradraft --help` stays fast."""
 
-    prepare(cfg)
+    def run(cfg):
+        import importlib
 
+        module, fn = target.split(":")
+        getattr(importlib.import_module(module, __package__), fn)(cfg)
 
-def _cmd_regenerate(cfg: C.RegenerateConfig) -> None:
-    from .data.regenerate import regenerate
-
-    regenerate(cfg)
-
-
-def _cmd_vocab(cfg: C.VocabConfig) -> None:
-    from .data.vocab import vocab
-
-    vocab(cfg)
+    return run
 
 
-def _cmd_extract(cfg: C.ExtractConfig) -> None:
-    from .data.hidden_states import extract
-
-    extract(cfg)
-
-
-def _cmd_train(cfg: C.TrainConfig) -> None:
-    from .train.trainer import train
-
-    train(cfg)
-
-
-def _cmd_generate(cfg: C.GenerateConfig) -> None:
-    from .decode.generate import generate
-
-    generate(cfg)
-
-
-def _cmd_bench(cfg: C.BenchConfig) -> None:
-    from .bench.run import bench
-
-    bench(cfg)
-
-
-def _cmd_export(cfg: C.ExportConfig) -> None:
-    from .export.vllm import export
-
-    export(cfg)
-
-
-def _cmd_quickstart(cfg) -> None:
-    from .quickstart import quickstart
-
-    quickstart(cfg)
-
-
+# name -> (config class, "module:function", help). The config class is the typed config the function receives.
 COMMANDS: dict[str, tuple[type, callable, str]] = {
-    "prepare": (C.PrepareConfig, _cmd_prepare, "tokenize chat data with the assistant loss mask"),
-    "regenerate": (C.RegenerateConfig, _cmd_regenerate, "let the verifier write the answers (on-policy data)"),
-    "vocab": (C.VocabConfig, _cmd_vocab, "build the draft vocabulary (d2t, t2d)"),
-    "extract": (C.ExtractConfig, _cmd_extract, "store verifier hidden states for training (or --validate them)"),
-    "train": (C.TrainConfig, _cmd_train, "train a P-EAGLE or EAGLE-3 drafter (torchrun for DDP / FSDP)"),
-    "generate": (C.GenerateConfig, _cmd_generate, "speculative decoding with a drafter (plain decoding without)"),
-    "bench": (C.BenchConfig, _cmd_bench, "acceptance length and speedup of drafters vs plain decoding"),
-    "export": (C.ExportConfig, _cmd_export, "write a checkpoint vLLM serves; print the `vllm serve` command"),
+    "prepare": (C.PrepareConfig, _lazy(".data.prepare:prepare"), "tokenize chat data with the assistant loss mask"),
+    "regenerate": (C.RegenerateConfig, _lazy(".data.regenerate:regenerate"),
+                   "let the verifier write the answers (on-policy data)"),
+    "vocab": (C.VocabConfig, _lazy(".data.vocab:vocab"), "build the draft vocabulary (d2t, t2d)"),
+    "extract": (C.ExtractConfig, _lazy(".data.hidden_states:extract"),
+                "store verifier hidden states for training (or --validate them)"),
+    "train": (C.TrainConfig, _lazy(".train.trainer:train"),
+              "train a P-EAGLE or EAGLE-3 drafter (torchrun for DDP / FSDP)"),
+    "generate": (C.GenerateConfig, _lazy(".decode.generate:generate"),
+                 "speculative decoding with a drafter (plain decoding without)"),
+    "bench": (C.BenchConfig, _lazy(".bench.run:bench"), "acceptance length and speedup of drafters vs plain decoding"),
+    "export": (C.ExportConfig, _lazy(".export.vllm:export"),
+               "write a checkpoint vLLM serves; print the `vllm serve` command"),
 }
-
-
-def register(name: str, cfg_cls: type, fn, help_text: str) -> None:
-    """Add a subcommand (used by modules that add steps of the workflow)."""
-    COMMANDS[name] = (cfg_cls, fn, help_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .quickstart import QuickstartConfig
 
     commands = dict(COMMANDS)
-    commands["quickstart"] = (QuickstartConfig, _cmd_quickstart, "run the whole workflow on the embedded verifier")
+    commands["quickstart"] = (QuickstartConfig, _lazy(".quickstart:quickstart"),
+                              "run the whole workflow on the embedded verifier")
     parser = argparse.ArgumentParser(prog="paradraft", description=WORKFLOW, formatter_class=_Fmt)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (cls, _fn, help_text) in commands.items():

@@ -14,7 +14,6 @@ P-EAGLE drafter's trained mask row lives there, and vLLM would otherwise share t
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import subprocess
 import sys

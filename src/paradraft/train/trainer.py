@@ -9,7 +9,6 @@ checkpoint. torchrun gives DDP (gloo on CPU, NCCL on GPU); --fsdp shards the dra
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os

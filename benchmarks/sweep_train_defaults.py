@@ -1,0 +1,54 @@
+"""A small sweep of P-EAGLE training settings on the embedded verifier: which defaults measure best.
+
+Each setting trains for the same number of steps on the same prepared data / hidden states and is scored by the
+held-out acceptance-length estimate (paradraft.models.loss.acceptance_estimate) at K=7 and by its depth-0 accuracy.
+usage: python benchmarks/sweep_train_defaults.py --data DIR --hidden-states DIR [--steps 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from paradraft.config import TrainConfig
+from paradraft.train.trainer import train
+
+SETTINGS = {
+    "baseline (lr 1e-3, 1 layer, decay 1.0)": {},
+    "depth decay 0.8": {"loss_decay": 0.8},
+    "depth decay 0.6": {"loss_decay": 0.6},
+    "lr 3e-4": {"lr": 3e-4},
+    "2 draft layers": {"num_layers": 2},
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--hidden-states", required=True)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--output", default="benchmarks/results/sweep_train_defaults.json")
+    a = ap.parse_args()
+    rows = []
+    for name, over in SETTINGS.items():
+        with tempfile.TemporaryDirectory() as d:
+            kw = dict(algorithm="peagle", data=a.data, hidden_states=a.hidden_states, output=d, max_steps=a.steps,
+                      batch_tokens=2048, lr=1e-3, warmup_steps=10, num_depths=8, save_every=10_000, val_samples=24)
+            kw.update(over)
+            t0 = time.time()
+            final = train(TrainConfig(**kw))
+            v = final["val"]
+            rows.append({"setting": name, "overrides": over, "val_acceptance_length_k7": v["acceptance_length_estimate"],
+                         "val_acc_depth0": v["acc"][0], "val_acc": v["acc"], "seconds": time.time() - t0})
+            print(rows[-1], flush=True)
+    out = {"benchmark": "sweep_train_defaults", "date": time.strftime("%Y-%m-%d"), "steps": a.steps,
+           "data": a.data, "rows": rows}
+    Path(a.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.output).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
