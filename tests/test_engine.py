@@ -108,6 +108,16 @@ def test_greedy_lossless_trained_drafters_and_hf(trained, algorithm):
                r.token_ids[-1] == tok.eos_token_id or len(r.token_ids) == 40 for r in out)
 
 
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_one_draft_token_per_pass(algorithm):
+    v = make_tiny_llama(vocab_size=120, seed=1)
+    d, _ = tiny_drafter(algorithm, verifier=v)
+    prompts = prompts_for(120, n=3)
+    g = GenerationConfig(max_new_tokens=12, num_speculative_tokens=1)
+    assert [r.token_ids for r in Engine(v, d).generate(prompts, g)] == \
+        [r.token_ids for r in Engine(v).generate(prompts, g)]
+
+
 def test_eos_and_length_limits_per_row():
     v = make_tiny_llama(vocab_size=120, seed=1)
     d, _ = tiny_drafter("peagle", verifier=v)

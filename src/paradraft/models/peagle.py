@@ -161,6 +161,6 @@ class PEagleDrafter(DraftModel):
         h, kv = self.run_layers(emb, hid, anchor + depth, elems, cache)
         if cache is not None:
             cache.append([(kk[:, :, :n], vv[:, :, :n]) for kk, vv in kv], elems.slice(0, n))
-        slots = torch.cat([h[ends][:, None], h[n:].view(R, k - 1, -1)], 1)  # [R, k, H]
+        slots = torch.cat([h[ends][:, None], h[n:].view(R, k - 1, h.shape[-1])], 1)  # [R, k, H]
         logits = self.logits(slots)  # [R, k, Vd]
         return logits[0] if single else logits
