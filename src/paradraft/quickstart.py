@@ -39,9 +39,14 @@ class QuickstartConfig:
 
 
 def _train_done(out: Path, cfg: TrainConfig) -> bool:
+    """A finished training run in `out` with the same config (whether it was resumed does not matter)."""
     f = out / "train_config.yaml"
-    return (out / "model.safetensors").is_file() and f.is_file() and \
-        yaml.safe_load(f.read_text()) == config_to_dict(cfg)
+    if not ((out / "model.safetensors").is_file() and f.is_file()):
+        return False
+    saved, want = yaml.safe_load(f.read_text()), config_to_dict(cfg)
+    saved.pop("resume", None)
+    want.pop("resume", None)
+    return saved == want
 
 
 def quickstart(cfg: QuickstartConfig) -> dict:

@@ -115,14 +115,19 @@ def regenerate(cfg: RegenerateConfig, generator=None) -> dict:
     from ..decode.generate import encode_prompt
     from ..verifier import load_tokenizer
 
-    tok = getattr(generator, "tok", None) or load_tokenizer(cfg.verifier)
+    tok = getattr(generator, "tok", None)
+    if tok is None:
+        try:
+            tok = load_tokenizer(cfg.verifier)
+        except Exception as e:  # e.g. --endpoint serving a model whose tokenizer is not on this machine
+            print(f"[regenerate] no tokenizer for {cfg.verifier!r} ({e}); prompts are not length-filtered")
     kept = []
     for c in convs:
         if cfg.max_samples is not None and len(kept) >= cfg.max_samples:
             break
         head = [m for m in c["messages"] if m["role"] == "system"][:1] + \
             [m for m in c["messages"] if m["role"] == "user"][:1]
-        n = len(encode_prompt(tok, {"messages": head}))
+        n = len(encode_prompt(tok, {"messages": head})) if tok is not None else 0
         if n > cfg.max_prompt_tokens:
             skipped["prompt_too_long"] = skipped.get("prompt_too_long", 0) + 1
             continue

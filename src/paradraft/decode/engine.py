@@ -128,7 +128,6 @@ class Engine:
             if self.drafter is not None:
                 toks = torch.tensor(p[1:] + [x])
                 ctx[b] = (toks, aux[0].float(), torch.arange(1, len(p) + 1))
-        res_time = time.perf_counter()
         active = [b for b in range(B) if not (res[b].token_ids[-1] in eos or len(res[b].token_ids) >= g.max_new_tokens)]
         cache = DraftCache()
         while active:
@@ -186,5 +185,4 @@ class Engine:
         total = time.perf_counter() - t_start
         for r in res:
             r.time_s = total
-        del res_time
         return res

@@ -1,0 +1,30 @@
+"""`make demo`'s pipeline at toy size on the real embedded verifier: every step runs, a rerun reuses them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paradraft.quickstart import QuickstartConfig, quickstart
+
+pytestmark = pytest.mark.e2e
+
+
+def test_quickstart_runs_end_to_end_and_reuses_steps(tmp_path, capsys):
+    cfg = QuickstartConfig(output=str(tmp_path / "qs"), num_samples=10, max_new_tokens=24, max_prompt_tokens=96,
+                           regen_batch_size=5, seq_length=160, draft_vocab_size=1024, max_steps=3, num_depths=3,
+                           bench_prompts=1, bench_tokens=12, num_speculative_tokens=[2, 3])
+    out = quickstart(cfg)
+    run = tmp_path / "qs"
+    for f in ("regenerated.jsonl", "data/manifest.json", "hidden_states/manifest.json", "peagle/config.json",
+              "peagle/model.safetensors", "peagle/training.png", "results.json", "results.png"):
+        assert (run / f).is_file(), f
+    methods = [(r["method"], r["k"]) for r in out["results"]]
+    assert methods == [("plain", 0), ("peagle", 2), ("peagle", 3)]
+    assert json.loads((run / "results.json").read_text())["results"][0]["speedup"] == 1.0
+    capsys.readouterr()
+    quickstart(cfg)  # the rerun reuses every finished step
+    text = capsys.readouterr().out
+    assert "already holds this dataset" in text and "already trained with this config" in text
+    assert "10 already done" in text
