@@ -258,7 +258,7 @@ class Trainer:
             else:
                 self.load_checkpoint(last)
                 print(f"[train] resumed from {last} (step {self.step})")
-        elif self.latest_checkpoint() is not None and self.dist.main:
+        elif self.latest_checkpoint() is not None:  # every rank refuses (no rank left waiting at a barrier)
             raise TrainingError(f"{self.out} already holds checkpoints; pass --resume to continue, or another --output")
         if self.dist.main:
             (self.out / "train_config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
