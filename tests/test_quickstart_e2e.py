@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from paradraft.quickstart import QuickstartConfig, quickstart
 
@@ -23,6 +24,7 @@ def test_quickstart_runs_end_to_end_and_reuses_steps(tmp_path, capsys):
     methods = [(r["method"], r["k"]) for r in out["results"]]
     assert methods == [("plain", 0), ("peagle", 2), ("peagle", 3)]
     assert json.loads((run / "results.json").read_text())["results"][0]["speedup"] == 1.0
+    assert torch.is_grad_enabled()  # benchmarking must not switch autograd off for whatever runs next
     capsys.readouterr()
     quickstart(cfg)  # the rerun reuses every finished step
     text = capsys.readouterr().out

@@ -91,12 +91,12 @@ def _run_prompt_lookup(model, prompts, g: GenerationConfig, k: int, pad_id) -> d
             "accepted": None, "draft_s": 0.0, "verify_s": 0.0}
 
 
+@torch.inference_mode()  # scoped: a global grad switch would leak into whatever runs next (e.g. training)
 def bench(cfg: BenchConfig) -> dict:
     """Run `paradraft bench`; returns the results dict (also written to cfg.output)."""
     from ..models.checkpoint import load_drafter
     from ..verifier import load_verifier
 
-    torch.set_grad_enabled(False)
     model, tok = load_verifier(cfg.verifier, dtype=cfg.dtype)
     prompts = load_prompts(cfg, tok)
     eos = sorted({t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")

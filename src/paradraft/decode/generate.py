@@ -61,12 +61,12 @@ def load_engine(verifier_name: str, drafter: str | None, dtype: str, force: bool
     return Engine(model, d, max_len=max_len), tok
 
 
+@torch.inference_mode()  # scoped, not a global switch
 def generate(cfg: GenerateConfig) -> list[dict]:
     """Run `paradraft generate`."""
     if (cfg.prompt is None) == (cfg.prompts is None):
         raise PromptError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
     recs = [{"id": "0", "prompt": cfg.prompt}] if cfg.prompt is not None else read_prompts(cfg.prompts)
-    torch.set_grad_enabled(False)
     engine, tok = load_engine(cfg.verifier, cfg.drafter, cfg.dtype, cfg.force, cfg.max_len)
     eos = sorted({t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")
                               if "<|im_end|>" in tok.get_vocab() else None) if t is not None})
