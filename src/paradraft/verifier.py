@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def embedded_model_dir() -> Path:
     # Two processes may convert at once: each writes its own temporary dir, the first rename wins.
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        print(f"[paradraft] converting embedded verifier {gguf.name} -> {target} (once)", flush=True)
+        print(f"[paradraft] converting embedded verifier {gguf.name} -> {target} (once)", file=sys.stderr, flush=True)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         cfg_dict = src.config.to_dict()
