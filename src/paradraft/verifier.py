@@ -142,7 +142,3 @@ def default_aux_layers(num_layers: int) -> list[int]:
                             f"[2, L//2, L-3]; pass the layer ids explicitly")
     return [2, num_layers // 2, num_layers - 3]
 
-
-def verifier_record(name: str) -> str:
-    """What to record as the verifier in manifests (the user's name for it)."""
-    return name

@@ -21,7 +21,7 @@ import torch
 
 from ..config import BenchConfig
 from ..decode.engine import Engine, GenerationConfig
-from ..decode.generate import encode_prompt, read_prompts
+from ..decode.generate import encode_prompt, read_prompts, stop_token_ids
 
 
 def load_prompts(cfg: BenchConfig, tok) -> list[list[int]]:
@@ -99,8 +99,7 @@ def bench(cfg: BenchConfig) -> dict:
 
     model, tok = load_verifier(cfg.verifier, dtype=cfg.dtype)
     prompts = load_prompts(cfg, tok)
-    eos = sorted({t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")
-                              if "<|im_end|>" in tok.get_vocab() else None) if t is not None})
+    eos = stop_token_ids(tok)
     drafters = []
     for path in cfg.drafter:
         d = load_drafter(path, verifier=model, verifier_name=cfg.verifier, force=cfg.force).to(getattr(torch, cfg.dtype))

@@ -201,7 +201,7 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
     bar = tqdm(total=sum(lengths_kept[i] for s in todo for i in shards[s]), unit="tok", unit_scale=True,
                desc="extract", disable=None)
     t0 = time.time()
-    n_done = 0
+    n_done, n_todo = 0, sum(len(shards[x]) for x in todo)
     try:
         for s in todo:
             samples = []
@@ -213,7 +213,7 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
             _write_shard(out, s, results, [int(indices[i]) for i in shards[s]], dtype, cfg.trained_only)
             n_done += len(samples)
             bar.update(sum(len(x[0]) for x in samples))
-            bar.set_postfix(samples=f"{n_done}/{sum(len(shards[x]) for x in todo)}")
+            bar.set_postfix(samples=f"{n_done}/{n_todo}")
     finally:
         tap.remove()
         bar.close()

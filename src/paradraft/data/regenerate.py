@@ -72,6 +72,7 @@ class LocalGenerator:
 
     def __init__(self, cfg: RegenerateConfig, model=None, tokenizer=None):
         from ..decode.engine import Engine, GenerationConfig
+        from ..decode.generate import stop_token_ids
 
         if model is None:
             from ..verifier import load_verifier
@@ -79,11 +80,8 @@ class LocalGenerator:
             model, tokenizer = load_verifier(cfg.verifier, dtype=cfg.dtype)
         self.tok, self.cfg = tokenizer, cfg
         self.engine = Engine(model, max_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 16)
-        eos = {t for t in (tokenizer.eos_token_id,) if t is not None}
-        if "<|im_end|>" in tokenizer.get_vocab():
-            eos.add(tokenizer.convert_tokens_to_ids("<|im_end|>"))
         self.gcfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                                     seed=cfg.seed, eos_token_ids=sorted(eos))
+                                     seed=cfg.seed, eos_token_ids=stop_token_ids(tokenizer))
         self.calls = 0
 
     @torch.inference_mode()

@@ -49,6 +49,19 @@ def encode_prompt(tokenizer, rec: dict) -> list[int]:
     return list(ids)
 
 
+def stop_token_ids(tokenizer) -> list[int]:
+    """Tokens that end an answer: EOS and the chat template's end-of-turn token (e.g. <|im_end|>, <|eot_id|>)."""
+    ids = {tokenizer.eos_token_id}
+    if getattr(tokenizer, "chat_template", None):
+        from ..data.template import TemplateError, template_info
+
+        try:
+            ids.add(tokenizer.convert_tokens_to_ids(template_info(tokenizer).end_of_turn))
+        except TemplateError:
+            pass
+    return sorted(t for t in ids if t is not None)
+
+
 def load_engine(verifier_name: str, drafter: str | None, dtype: str, force: bool = False, max_len: int = 4096):
     """(engine, tokenizer) ready to generate."""
     from ..models.checkpoint import load_drafter
@@ -68,8 +81,7 @@ def generate(cfg: GenerateConfig) -> list[dict]:
         raise PromptError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
     recs = [{"id": "0", "prompt": cfg.prompt}] if cfg.prompt is not None else read_prompts(cfg.prompts)
     engine, tok = load_engine(cfg.verifier, cfg.drafter, cfg.dtype, cfg.force, cfg.max_len)
-    eos = sorted({t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")
-                              if "<|im_end|>" in tok.get_vocab() else None) if t is not None})
+    eos = stop_token_ids(tok)
     g = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                          top_k=cfg.top_k, num_speculative_tokens=cfg.num_speculative_tokens, seed=cfg.seed,
                          eos_token_ids=eos)
