@@ -215,3 +215,21 @@ def test_sampling_rule_top_k_top_p():
     full = torch.softmax(logits, -1)
     p = process_logits(logits, 1.0, top_p=float(full[0]) + 1e-3)  # needs the 2nd token to reach top_p
     assert (p > 0).tolist() == [True, True, False, False]
+
+
+def test_bench_table_and_plot_keep_same_named_drafters_apart(tmp_path):
+    from paradraft.bench.run import drafter_labels, format_table, plot_results
+
+    row = dict(acceptance_length=1.5, tokens_per_s=10.0, speedup=1.2, draft_fraction=0.1,
+               per_position_acceptance=[0.5, 0.2])
+    out = {"dataset": "d", "num_prompts": 1, "max_new_tokens": 4, "temperature": 0.0, "dtype": "float32",
+           "verifier": "v", "results": [dict(row, method="plain", drafter=None, k=0, per_position_acceptance=[],
+                                             draft_fraction=None),
+                                        dict(row, method="peagle", drafter="runs/a/peagle", k=2),
+                                        dict(row, method="peagle", drafter="runs/b/peagle", k=2),
+                                        dict(row, method="eagle3", drafter="runs/a/eagle3", k=2)]}
+    assert drafter_labels(out) == {"runs/a/peagle": "a/peagle", "runs/b/peagle": "b/peagle",
+                                   "runs/a/eagle3": "a/eagle3"}
+    table = format_table(out)
+    assert "| a/peagle |" in table and "| b/peagle |" in table
+    assert plot_results(out, tmp_path / "p.png").stat().st_size > 0

@@ -96,9 +96,25 @@ def test_sdpa_and_flex_backends_agree():
     e = Elements(a, d, (a >= 25).long())
     n = len(e)
     q, k, v = torch.randn(1, 4, n, 16), torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+    # reference: one SDPA over every key with the full element x element mask
+    full = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                            attn_mask=dense_mask(e, e))
     ref = attention(q, k, v, e, e, backend="sdpa")
-    blocked = attention(q, k, v, e, e, backend="sdpa", query_block=7)  # the mask built in blocks
-    torch.testing.assert_close(blocked, ref)
+    torch.testing.assert_close(ref, full)
+    for qb in (7, 16):  # the mask built in blocks, each over only the key span it can use
+        torch.testing.assert_close(attention(q, k, v, e, e, backend="sdpa", query_block=qb), full)
+    # any element order (the key span is found from the mask, not assumed), with gradients
+    perm = torch.randperm(n)
+    ep = Elements(e.anchor[perm], e.depth[perm], e.doc[perm])
+    qs, ks, vs = (t[:, :, perm].clone().requires_grad_(True) for t in (q, k, v))
+    out = attention(qs, ks, vs, ep, ep, backend="sdpa", query_block=5)
+    torch.testing.assert_close(out, full[:, :, perm])
+    out.square().sum().backward()
+    q2, k2, v2 = (t[:, :, perm].clone().requires_grad_(True) for t in (q, k, v))
+    torch.nn.functional.scaled_dot_product_attention(q2, k2.repeat_interleave(2, 1), v2.repeat_interleave(2, 1),
+                                                     attn_mask=dense_mask(ep, ep)).square().sum().backward()
+    for a, b in ((qs, q2), (ks, k2), (vs, v2)):
+        torch.testing.assert_close(a.grad, b.grad)
     try:
         out = attention(q, k, v, e, e, backend="flex")
     except Exception as exc:  # pragma: no cover - flex unavailable in this torch build
@@ -198,6 +214,23 @@ def test_eagle3_ttt_step_equals_sequential_inference(flavour):
                 row = (anchors[s] == j).nonzero()[0, 0]
                 torch.testing.assert_close(lg[0], logits[s][row], atol=1e-4, rtol=1e-4)
     assert len(stats["acc"]) == steps
+
+
+def test_init_copies_the_verifiers_final_norm_and_lm_head_rows():
+    verifier = make_tiny_llama(vocab_size=120)
+    with torch.no_grad():
+        verifier.model.norm.weight.uniform_(-2, 3)
+    cfg = DraftConfig.from_verifier(verifier.config, algorithm="peagle", num_layers=1, draft_vocab_size=60,
+                                    mask_token_id=119)
+    d2t, t2d = build_vocab(torch.randint(1, 100, (120,)).numpy(), 60, 120)
+    model = build_drafter(cfg)
+    model.init_from_verifier(verifier, d2t, t2d)
+    assert torch.equal(model.norm.weight, verifier.model.norm.weight)
+    ids = torch.arange(60) + d2t
+    assert torch.equal(model.lm_head.weight, verifier.lm_head.weight[ids])
+    fresh = build_drafter(cfg)
+    fresh.init_from_verifier(verifier, d2t, t2d, norm=False)
+    assert torch.equal(fresh.norm.weight, torch.ones_like(fresh.norm.weight))
 
 
 def test_gradients_reach_mask_parameters_not_verifier_embeddings():

@@ -5,19 +5,31 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 
+def json_safe(obj):
+    """obj with NaN / infinite floats replaced by None, so that the JSON written is standard (no bare NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def write_json(path: str | Path, obj, indent: int = 2) -> None:
-    """Write JSON atomically (temp file in the same dir, then rename)."""
+    """Write standard JSON (non-finite floats as null) atomically (temp file in the same dir, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=indent)
+        json.dump(json_safe(obj), fh, indent=indent, allow_nan=False)
         fh.write("\n")
     os.replace(tmp, path)
 

@@ -11,7 +11,6 @@ Metrics (one definition, here):
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from ..config import BenchConfig
 from ..decode.engine import Engine, GenerationConfig
 from ..decode.generate import encode_prompt, read_prompts, stop_token_ids
+from ..utils import write_json
 
 
 def load_prompts(cfg: BenchConfig, tok) -> list[list[int]]:
@@ -147,13 +147,23 @@ def bench(cfg: BenchConfig) -> dict:
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "verifier": cfg.verifier, "dataset": cfg.dataset,
            "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
            "dtype": cfg.dtype, "repeats": cfg.repeats, "threads": torch.get_num_threads(), "results": results}
-    Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(cfg.output).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(cfg.output, out)
     print(format_table(out))
     if cfg.plot:
         plot_results(out, cfg.plot)
     print(f"[bench] -> {cfg.output}" + (f", {cfg.plot}" if cfg.plot else ""))
     return out
+
+
+def drafter_labels(out: dict) -> dict[str, str]:
+    """Short, distinct names of the drafters of a result: the last path part, or more parts where names collide
+    (runs/a/peagle and runs/b/peagle -> a/peagle, b/peagle)."""
+    paths = sorted({r["drafter"] for r in out["results"] if r["drafter"]})
+    for depth in range(1, 1 + max([len(Path(p).parts) for p in paths] + [1])):
+        labels = {p: "/".join(Path(p).parts[-depth:]) for p in paths}
+        if len(set(labels.values())) == len(paths):
+            return labels
+    return {p: p for p in paths}
 
 
 def format_table(out: dict) -> str:
@@ -162,10 +172,11 @@ def format_table(out: dict) -> str:
              f"T={out['temperature']}, {out['dtype']}",
              "| method | drafter | K | acceptance length | tokens/s | speedup | draft time | per-position acceptance |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    names = drafter_labels(out)
     for r in out["results"]:
         pp = " ".join(f"{x:.2f}" for x in r["per_position_acceptance"]) if r["per_position_acceptance"] else "-"
         df = f"{r['draft_fraction']:.0%}" if r["draft_fraction"] is not None else "-"
-        name = Path(r["drafter"]).name if r["drafter"] else "-"
+        name = names[r["drafter"]] if r["drafter"] else "-"
         lines.append(f"| {r['method']} | {name} | {r['k']} | {r['acceptance_length']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['speedup']:.2f}x | {df} | {pp} |")
     return "\n".join(lines)
@@ -180,10 +191,11 @@ def plot_results(out: dict, path: str | Path) -> Path:
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     series: dict[str, list] = {}
+    names = drafter_labels(out)
     for r in out["results"]:
         if r["method"] == "plain":
             continue
-        label = r["method"] + (f" ({Path(r['drafter']).name})" if r["drafter"] else "")
+        label = r["method"] + (f" ({names[r['drafter']]})" if r["drafter"] else "")
         series.setdefault(label, []).append(r)
     for label, rs in series.items():
         rs = sorted(rs, key=lambda r: r["k"])

@@ -83,11 +83,14 @@ _compiled_flex = None
 
 
 def attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q: Elements, k: Elements,
-              backend: str = "sdpa", scale: float | None = None, query_block: int = 2048) -> torch.Tensor:
+              backend: str = "sdpa", scale: float | None = None, query_block: int = 512) -> torch.Tensor:
     """Masked attention by the rule. qh [1, H, Nq, D], kh/vh [1, KVH, Nk, D] -> [1, H, Nq, D].
 
-    backend "sdpa": dense boolean mask, built per block of `query_block` queries so the mask never holds more than
-    query_block x Nk entries (the CPU path; flex_attention has no CPU backward).
+    backend "sdpa": dense boolean mask, built per block of `query_block` queries (the CPU path; flex_attention has
+    no CPU backward). Each block attends only over the span of keys [lo, hi) that its mask allows at all: keys
+    outside it are masked for every query of the block, so dropping them changes nothing but the cost. Training
+    lists elements by depth (context first), so context queries see a causal prefix and depth-d queries the context
+    plus depths 1..d: about 0.6x the work of the full element x element product at 8 depths.
     backend "flex": flex_attention with a block mask from `flex_mask_mod` (the GPU path; compiled off-CPU).
     """
     groups = qh.shape[1] // kh.shape[1]
@@ -109,5 +112,8 @@ def attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q: Elements,
     for s in range(0, qh.shape[2], query_block):
         qb = q.slice(s, s + query_block)
         m = dense_mask(qb, k)  # [nq, Nk]
-        outs.append(F.scaled_dot_product_attention(qh[:, :, s:s + query_block], kh, vh, attn_mask=m, scale=scale))
+        used = torch.nonzero(m.any(0)).flatten()  # keys some query of the block may attend to
+        lo, hi = (int(used[0]), int(used[-1]) + 1) if used.numel() else (0, m.shape[1])
+        outs.append(F.scaled_dot_product_attention(qh[:, :, s:s + query_block], kh[:, :, lo:hi], vh[:, :, lo:hi],
+                                                   attn_mask=m[:, lo:hi], scale=scale))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

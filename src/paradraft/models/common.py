@@ -261,11 +261,20 @@ class DraftModel(nn.Module):
         self.rotary = Rotary(cfg)
         self.backend = "sdpa"
 
-    def init_from_verifier(self, verifier, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Copy the verifier's embeddings and the draft-vocab rows of its lm_head; set d2t / t2d."""
+    def init_from_verifier(self, verifier, d2t: torch.Tensor, t2d: torch.Tensor, norm: bool = True) -> None:
+        """Copy the verifier's embeddings and the draft-vocab rows of its lm_head; set d2t / t2d.
+
+        norm=True also copies the verifier's final RMSNorm weight, the scale its lm_head was trained behind (for
+        SmolLM2 it averages 1.8 and ranges -2.1..3.3, far from the ones of a fresh norm).
+        """
         from ..data.vocab import draft_to_target_ids
 
         with torch.no_grad():
+            if norm:
+                final_norm = getattr(getattr(verifier, "model", verifier), "norm", None)
+                if final_norm is None or final_norm.weight.shape != self.norm.weight.shape:
+                    raise ValueError("the verifier has no final norm of the drafter's size to copy (use norm=False)")
+                self.norm.weight.copy_(final_norm.weight.to(self.norm.weight.dtype))
             emb = verifier.get_input_embeddings().weight
             self.embed_tokens.weight.copy_(emb.to(self.embed_tokens.weight.dtype))
             ids = draft_to_target_ids(d2t.long())

@@ -31,7 +31,7 @@ from ..models.checkpoint import build_drafter, save_drafter
 from ..models.common import DraftConfig
 from ..models.loss import acceptance_estimate
 from ..models.peagle import choose_mask_token_id
-from ..utils import read_json, write_json
+from ..utils import json_safe, read_json, write_json
 from .data import OfflineSource, OnlineSource, TargetHead, epoch_plan
 from .distributed import full_state_dict, load_full_state_dict
 
@@ -150,7 +150,7 @@ class Trainer:
             mask_token_id=mask_id, num_speculative_tokens=cfg.num_speculative_tokens,
             aux_layer_ids=list(self.source.layer_ids), verifier=resolve_verifier(self.verifier_name))
         self.model = build_drafter(dcfg)
-        self.model.init_from_verifier(verifier, d2t, t2d)
+        self.model.init_from_verifier(verifier, d2t, t2d, norm=cfg.init_norm == "verifier")
         self.model.to(device)
         backend = cfg.attention if cfg.attention != "auto" else ("flex" if device.startswith("cuda") else "sdpa")
         self.model.backend = backend
@@ -322,7 +322,7 @@ class Trainer:
                     rec["val"] = last_val
                 if self.dist.main and self.step % cfg.log_every == 0:
                     with open(metrics_path, "a") as fh:
-                        fh.write(json.dumps(rec) + "\n")
+                        fh.write(json.dumps(json_safe(rec), allow_nan=False) + "\n")
                     if tb is not None:
                         tb.add_scalar("loss", loss_g, self.step)
                         for d, a in enumerate(acc):
@@ -379,9 +379,13 @@ class Trainer:
         if "cod_ratio" in args:
             args.update(cod_ratio=1.0, cod_ratio_min=1.0)
         els, stats_acc, offset = [], None, 0
+        covered = trained = 0  # trained targets whose verifier argmax is in the draft vocabulary
         plan = epoch_plan(self.val_idx, self.lengths, self.source, self.cfg.batch_tokens, 0, 0)
         for pack in plan:
             b = self.target_head.slot_batch(self.source.get(pack))
+            t2d = self.model.t2d.to(b.target_ids.device)
+            covered += int(t2d[b.target_ids[b.valid]].sum())
+            trained += int(b.valid.sum())
             with torch.autocast(self.device.split(":")[0], dtype=getattr(torch, self.cfg.autocast),
                                 enabled=self.cfg.autocast != "float32"):
                 loss, stats = self.model(b, generator=torch.Generator().manual_seed(0), **args)
@@ -398,6 +402,7 @@ class Trainer:
         return {"acc": [x / max(1, n) for x, n in zip(stats_acc["correct"], stats_acc["count"])],
                 "conditional_acc": est["conditional_acc"], "acceptance_length_by_k": al,
                 "acceptance_length_estimate": al.get(K, max(al.values()) if al else 1.0),
+                "vocab_coverage": covered / max(1, trained),  # the ceiling of depth-0 accuracy
                 "loss": stats_acc["loss"] / max(1, stats_acc["n"])}
 
     def _tensorboard(self):
