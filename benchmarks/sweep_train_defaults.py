@@ -17,10 +17,10 @@ from paradraft.config import TrainConfig
 from paradraft.train.trainer import train
 
 SETTINGS = {
-    "baseline (lr 1e-3, 1 layer, decay 1.0)": {},
-    "depth decay 0.8": {"loss_decay": 0.8},
-    "depth decay 0.6": {"loss_decay": 0.6},
+    "baseline (lr 1e-3, 1 layer, decay 1.0, norm from verifier)": {},
+    "norm init ones": {"init_norm": "ones"},
     "lr 3e-4": {"lr": 3e-4},
+    "depth decay 0.8": {"loss_decay": 0.8},
     "2 draft layers": {"num_layers": 2},
 }
 
@@ -31,12 +31,15 @@ def main() -> None:
     ap.add_argument("--hidden-states", required=True)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--output", default="benchmarks/results/sweep_train_defaults.json")
+    ap.add_argument("--only", nargs="*", help="run only these setting names")
     a = ap.parse_args()
     rows = []
     for name, over in SETTINGS.items():
+        if a.only and name not in a.only:
+            continue
         with tempfile.TemporaryDirectory() as d:
             kw = dict(algorithm="peagle", data=a.data, hidden_states=a.hidden_states, output=d, max_steps=a.steps,
-                      batch_tokens=2048, lr=1e-3, warmup_steps=10, num_depths=8, save_every=10_000, val_samples=24)
+                      batch_tokens=2048, lr=1e-3, warmup_steps=10, num_depths=8, save_every=10_000, val_samples=32)
             kw.update(over)
             t0 = time.time()
             final = train(TrainConfig(**kw))
@@ -44,6 +47,10 @@ def main() -> None:
             rows.append({"setting": name, "overrides": over, "val_acceptance_length_k7": v["acceptance_length_estimate"],
                          "val_acc_depth0": v["acc"][0], "val_acc": v["acc"], "seconds": time.time() - t0})
             print(rows[-1], flush=True)
+            write(a, rows)  # after every setting: a stopped sweep keeps what it measured
+
+
+def write(a, rows) -> None:
     out = {"benchmark": "sweep_train_defaults", "date": time.strftime("%Y-%m-%d"), "steps": a.steps,
            "data": a.data, "rows": rows}
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)
