@@ -56,6 +56,15 @@ def test_chatml_mask_is_exactly_assistant_content_and_end_of_turn():
     assert masked_runs(tok, ids, mask) == ["You are welcome.<|im_end|>"]
 
 
+def test_truncated_answer_keeps_its_end_of_turn_as_context_only():
+    tok = make_tokenizer("chatml")
+    conv = [dict(m) for m in CONV]
+    conv[1]["truncated"] = True  # cut at the length limit by `regenerate`
+    ids, mask = encode(tok, conv)
+    assert masked_runs(tok, ids, mask) == ["The capital of France is Paris.", "You are welcome.<|im_end|>"]
+    assert tok.decode(ids) == tok.apply_chat_template(CONV, tokenize=False)  # the same tokens, fewer targets
+
+
 def test_llama3_mask():
     tok = make_tokenizer("llama3")
     conv = [{"role": "system", "content": "Be brief."}] + CONV
@@ -239,7 +248,8 @@ class _ChatServer(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         _ChatServer.seen.append(body)
         last = body["messages"][-1]["content"]
-        reply = {"choices": [{"message": {"role": "assistant", "content": f"echo: {last}"}}]}
+        reply = {"choices": [{"message": {"role": "assistant", "content": f"echo: {last}"},
+                              "finish_reason": "length" if "3" in last else "stop"}]}
         data = json.dumps(reply).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -273,6 +283,8 @@ def test_regenerate_endpoint_resumes(tmp_path):
     assert len({x["id"] for x in lines}) == 6 == len(lines)
     assert all(x["messages"][-1]["content"] == "echo: " + x["messages"][-2]["content"] for x in lines)
     assert _ChatServer.seen[0]["model"] == "m" and _ChatServer.seen[0]["max_tokens"] == cfg.max_new_tokens
+    # finish_reason "length" marks the answer truncated
+    assert [x["messages"][-1].get("truncated", False) for x in lines] == ["3" in x["id"] for x in lines]
     # the output is prepare's input format
     m = prepare(PrepareConfig(data=[str(out)], output=str(tmp_path / "p"), val_fraction=0),
                 tokenizer=make_tokenizer("chatml"))
@@ -287,6 +299,16 @@ def test_regenerate_local_model_batched(tmp_path):
     gen = LocalGenerator(cfg, model=model, tokenizer=tok)
     r = regenerate(cfg, generator=gen)
     assert r["written"] == 3
+    # a random model does not stop within 5 tokens: every answer is marked truncated, and prepare trains none of
+    # their end-of-turn tokens
+    lines = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert r["truncated"] == 3 and all(x["messages"][-1].get("truncated") is True for x in lines)
+    prepare(PrepareConfig(data=[str(tmp_path / "r.jsonl")], output=str(tmp_path / "p"), val_fraction=0), tokenizer=tok)
+    ds = PreparedDataset(tmp_path / "p")
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    for i in range(len(ds)):
+        ids, mask = ds.sample(i)
+        assert eot in ids.tolist() and not mask[ids == eot].any()
     # batched answers equal unbatched ones (left padding is handled)
     one = gen([[{"role": "user", "content": "Question 1?"}]])[0]
     two = gen([[{"role": "user", "content": "Question 1?"}], [{"role": "user", "content": "A much longer question, 2?"}]])

@@ -48,8 +48,8 @@ def done_ids(path: Path) -> set[str]:
     return ids
 
 
-def chat_endpoint(url: str, model: str, messages: list[dict], cfg: RegenerateConfig) -> str:
-    """One chat completion from an OpenAI-compatible server."""
+def chat_endpoint(url: str, model: str, messages: list[dict], cfg: RegenerateConfig) -> tuple[str, bool]:
+    """One chat completion from an OpenAI-compatible server -> (answer, cut at max_tokens)."""
     body = {"model": model, "messages": messages, "max_tokens": cfg.max_new_tokens,
             "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
     req = urllib.request.Request(url.rstrip("/") + "/chat/completions", data=json.dumps(body).encode(),
@@ -62,7 +62,8 @@ def chat_endpoint(url: str, model: str, messages: list[dict], cfg: RegenerateCon
     except urllib.error.URLError as e:
         raise EndpointError(f"{url}: {e.reason}") from None
     try:
-        return reply["choices"][0]["message"]["content"] or ""
+        choice = reply["choices"][0]
+        return choice["message"]["content"] or "", choice.get("finish_reason") == "length"
     except (KeyError, IndexError, TypeError):
         raise EndpointError(f"{url}: unexpected reply {str(reply)[:300]}") from None
 
@@ -85,14 +86,17 @@ class LocalGenerator:
         self.calls = 0
 
     @torch.inference_mode()
-    def __call__(self, conversations: list[list[dict]]) -> list[str]:
+    def __call__(self, conversations: list[list[dict]]) -> list[tuple[str, bool]]:
+        """Answers to conversations: (text, truncated = stopped by the length limit, not by a stop token)."""
         from ..decode.generate import encode_prompt
 
         ids = [encode_prompt(self.tok, {"messages": m})[-self.cfg.max_prompt_tokens:] for m in conversations]
         self.gcfg.seed = self.cfg.seed + self.calls
         self.calls += 1
         outs = self.engine.generate(ids, self.gcfg)
-        return [self.tok.decode(o.token_ids, skip_special_tokens=True).strip() for o in outs]
+        stops = set(self.gcfg.eos_token_ids)
+        return [(self.tok.decode(o.token_ids, skip_special_tokens=True).strip(),
+                 not o.token_ids or o.token_ids[-1] not in stops) for o in outs]
 
 
 def regenerate(cfg: RegenerateConfig, generator=None) -> dict:
@@ -145,7 +149,7 @@ def regenerate(cfg: RegenerateConfig, generator=None) -> dict:
     tok_count = getattr(getattr(generator, "tok", None), "encode", None)
 
     bar = tqdm(total=len(todo), desc="regenerate", unit=" conv", disable=None)
-    t0, new_tokens, written = time.time(), 0, 0
+    t0, new_tokens, written, n_truncated = time.time(), 0, 0, 0
     with open(out, "a", encoding="utf-8") as fh:
         for b in range(0, len(todo), cfg.batch_size):
             batch = todo[b:b + cfg.batch_size]
@@ -162,7 +166,13 @@ def regenerate(cfg: RegenerateConfig, generator=None) -> dict:
                     prefixes[i].append(users[i][turn])
                 answers = generator([prefixes[i] for i in active])
                 for i, ans in zip(active, answers):
-                    prefixes[i].append({"role": "assistant", "content": ans})
+                    # a generator returns answers, or (answer, truncated) pairs
+                    ans, truncated = (ans, False) if isinstance(ans, str) else ans
+                    msg = {"role": "assistant", "content": ans}
+                    if truncated:
+                        msg["truncated"] = True
+                        n_truncated += 1
+                    prefixes[i].append(msg)
                     new_tokens += len(tok_count(ans)) if tok_count else len(ans.split())
             for c, msgs in zip(batch, prefixes):
                 fh.write(json.dumps({"id": c["id"], "messages": msgs}, ensure_ascii=False) + "\n")
@@ -173,6 +183,7 @@ def regenerate(cfg: RegenerateConfig, generator=None) -> dict:
             bar.set_postfix(tok_s=f"{new_tokens / max(1e-9, time.time() - t0):.1f}")
     bar.close()
     result = {"written": written, "already_done": len(convs) - len(todo), "skipped": skipped,
-              "new_tokens": new_tokens, "seconds": round(time.time() - t0, 2)}
-    print(f"[regenerate] {written} new, {result['already_done']} already done -> {out}")
+              "truncated": n_truncated, "new_tokens": new_tokens, "seconds": round(time.time() - t0, 2)}
+    print(f"[regenerate] {written} new ({n_truncated} answers cut at --max-new-tokens, marked \"truncated\": their "
+          f"end-of-turn is not trained), {result['already_done']} already done -> {out}")
     return result

@@ -62,7 +62,10 @@ def normalize(record, source: str, fallback_id: str) -> dict | Skip:
         role = ROLE_ALIASES.get(m[role_key].strip().lower())
         if role is None:
             return Skip("unknown_role", source)
-        messages.append({"role": role, "content": m[content_key]})
+        msg = {"role": role, "content": m[content_key]}
+        if role == "assistant" and m.get("truncated") is True:
+            msg["truncated"] = True  # cut at the length limit (regenerate): its end-of-turn is not trained
+        messages.append(msg)
     # Leading assistant turns (no question) and trailing user turns (no answer) carry nothing to learn.
     while messages and messages[0]["role"] == "assistant":
         messages.pop(0)

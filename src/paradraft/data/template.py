@@ -100,7 +100,13 @@ def segment_conversation(tokenizer, info: TemplateInfo, messages: list[dict]) ->
         if _final_answer(msg["content"]) not in body:
             raise TemplateError("assistant content not where the template should put it")
         segments.append((text[cursor:start], False))
-        segments.append((body, True))
+        if msg.get("truncated"):
+            # the answer was cut at a length limit, not ended by the model: the end-of-turn the template adds is
+            # context, never a target (else the drafter learns to predict turn ends mid-answer)
+            segments.append((body[: -len(info.end_of_turn)], True))
+            segments.append((info.end_of_turn, False))
+        else:
+            segments.append((body, True))
         cursor = end
     if cursor < len(text):
         segments.append((text[cursor:], False))
