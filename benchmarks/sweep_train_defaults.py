@@ -39,7 +39,8 @@ def main() -> None:
             continue
         with tempfile.TemporaryDirectory() as d:
             kw = dict(algorithm="peagle", data=a.data, hidden_states=a.hidden_states, output=d, max_steps=a.steps,
-                      batch_tokens=2048, lr=1e-3, warmup_steps=10, num_depths=8, save_every=10_000, val_samples=32)
+                      batch_tokens=2048, lr=1e-3, warmup_steps=10, num_depths=8, save_every=10_000, val_samples=32,
+                      init_norm="verifier", num_layers=1, loss_decay=1.0)  # the base every setting changes one thing of
             kw.update(over)
             t0 = time.time()
             final = train(TrainConfig(**kw))

@@ -224,10 +224,10 @@ class TrainConfig:
     cod_ratio_min: float = opt(0.2, help="P-EAGLE COD floor")
     ttt_steps: int = opt(3, help="EAGLE-3 training-time-test unroll steps")
     loss_decay: float | None = opt(None, help="per-depth / per-step loss weight decay (default: 1.0 P-EAGLE, 0.8 EAGLE-3)")
-    init_norm: str = opt("verifier", help="drafter final norm starts as the verifier's (which its copied lm_head "
-                         "expects) or as ones", choices=["verifier", "ones"])
+    init_norm: str = opt("ones", help="drafter final norm starts as ones or as the verifier's final norm (measured "
+                         "equal on the embedded verifier)", choices=["ones", "verifier"])
     num_speculative_tokens: int = opt(7, help="K recorded in the checkpoint (vLLM default)")
-    lr: float = opt(3e-4, help="peak learning rate (AdamW)")
+    lr: float = opt(1e-3, help="peak learning rate (AdamW; 1e-3 measured best on the embedded verifier)")
     weight_decay: float = opt(0.0, help="AdamW weight decay")
     warmup_steps: int = opt(20, help="linear warmup steps, then cosine decay to 10%")
     max_grad_norm: float = opt(1.0, help="gradient clipping")
