@@ -224,12 +224,12 @@ def test_init_copies_the_verifiers_final_norm_and_lm_head_rows():
                                     mask_token_id=119)
     d2t, t2d = build_vocab(torch.randint(1, 100, (120,)).numpy(), 60, 120)
     model = build_drafter(cfg)
-    model.init_from_verifier(verifier, d2t, t2d)
+    model.init_from_verifier(verifier, d2t, t2d, norm=True)
     assert torch.equal(model.norm.weight, verifier.model.norm.weight)
     ids = torch.arange(60) + d2t
     assert torch.equal(model.lm_head.weight, verifier.lm_head.weight[ids])
     fresh = build_drafter(cfg)
-    fresh.init_from_verifier(verifier, d2t, t2d, norm=False)
+    fresh.init_from_verifier(verifier, d2t, t2d)  # default: the fresh norm's ones
     assert torch.equal(fresh.norm.weight, torch.ones_like(fresh.norm.weight))
 
 

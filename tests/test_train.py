@@ -167,3 +167,15 @@ def test_torchrun_ddp_matches_one_process(tmp_path):
         torch.testing.assert_close(w3[k], w2[k], atol=1e-5, rtol=1e-4)
     assert sorted(p.name for p in (tmp_path / "fsdp" / "checkpoints").glob("*/optimizer-*.pt")) == \
         ["optimizer-0.pt", "optimizer-1.pt"]
+
+
+def test_metrics_json_is_standard_and_plots_with_nulls(tmp_path):
+    from paradraft.train.plot import plot_metrics
+    from paradraft.utils import json_safe, write_json
+
+    rec = {"step": 1, "loss": float("nan"), "acc": [0.5, float("nan"), float("inf")], "val": {"acc": [0.25]}}
+    write_json(tmp_path / "m.json", rec)
+    assert json.loads((tmp_path / "m.json").read_text())["acc"] == [0.5, None, None]  # no bare NaN in the file
+    rows = [json_safe(rec), {"step": 2, "loss": 3.0, "acc": [0.6, 0.1, None]}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in rows))
+    assert plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "t.png").stat().st_size > 0

@@ -261,11 +261,12 @@ class DraftModel(nn.Module):
         self.rotary = Rotary(cfg)
         self.backend = "sdpa"
 
-    def init_from_verifier(self, verifier, d2t: torch.Tensor, t2d: torch.Tensor, norm: bool = True) -> None:
+    def init_from_verifier(self, verifier, d2t: torch.Tensor, t2d: torch.Tensor, norm: bool = False) -> None:
         """Copy the verifier's embeddings and the draft-vocab rows of its lm_head; set d2t / t2d.
 
         norm=True also copies the verifier's final RMSNorm weight, the scale its lm_head was trained behind (for
-        SmolLM2 it averages 1.8 and ranges -2.1..3.3, far from the ones of a fresh norm).
+        SmolLM2 it averages 1.8 and ranges -2.1..3.3); the default keeps the fresh norm's ones, which measured
+        the same on the embedded verifier (`paradraft train --init-norm`).
         """
         from ..data.vocab import draft_to_target_ids
 

@@ -90,7 +90,7 @@ class PEagleDrafter(DraftModel):
         self.mask_embedding = nn.Parameter(torch.zeros(H))  # written to embed_tokens.weight[mask_token_id]
         self.mask_hidden = nn.Parameter(torch.randn(1, 3 * cfg.verifier_hidden) * 0.02)
 
-    def init_from_verifier(self, verifier, d2t, t2d, norm: bool = True) -> None:
+    def init_from_verifier(self, verifier, d2t, t2d, norm: bool = False) -> None:
         super().init_from_verifier(verifier, d2t, t2d, norm)
         with torch.no_grad():
             self.mask_embedding.copy_(self.embed_tokens.weight[self.cfg.mask_token_id])
