@@ -129,6 +129,7 @@ def test_eos_and_length_limits_per_row():
     for f, o in zip(free, out):
         want = f.token_ids[: f.token_ids.index(eos) + 1] if eos in f.token_ids else f.token_ids
         assert o.token_ids == want
+        assert o.finish_reason == ("stop" if eos in f.token_ids else "length")
     assert len(out[0].token_ids) <= 6
 
 

@@ -94,9 +94,8 @@ class LocalGenerator:
         self.gcfg.seed = self.cfg.seed + self.calls
         self.calls += 1
         outs = self.engine.generate(ids, self.gcfg)
-        stops = set(self.gcfg.eos_token_ids)
-        return [(self.tok.decode(o.token_ids, skip_special_tokens=True).strip(),
-                 not o.token_ids or o.token_ids[-1] not in stops) for o in outs]
+        return [(self.tok.decode(o.token_ids, skip_special_tokens=True).strip(), o.finish_reason == "length")
+                for o in outs]
 
 
 def regenerate(cfg: RegenerateConfig, generator=None) -> dict:

@@ -44,6 +44,7 @@ class Result:
     time_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    finish_reason: str | None = None  # "stop" (ended by a stop token) | "length" (reached max_new_tokens)
 
 
 class Engine:
@@ -128,7 +129,14 @@ class Engine:
             if self.drafter is not None:
                 toks = torch.tensor(p[1:] + [x])
                 ctx[b] = (toks, aux[0].float(), torch.arange(1, len(p) + 1))
-        active = [b for b in range(B) if not (res[b].token_ids[-1] in eos or len(res[b].token_ids) >= g.max_new_tokens)]
+        def finished(r: Result) -> bool:  # the one stop rule of a row; records why it ended
+            if r.token_ids[-1] in eos:
+                r.finish_reason = "stop"
+            elif len(r.token_ids) >= g.max_new_tokens:
+                r.finish_reason = "length"
+            return r.finish_reason is not None
+
+        active = [b for b in range(B) if not finished(res[b])]
         cache = DraftCache()
         while active:
             rows = torch.tensor(active, device=dev)
@@ -181,7 +189,7 @@ class Engine:
                               torch.arange(last_pos + 1, last_pos + m + 2))
                     if on_tokens:
                         on_tokens(b, cut)
-            active = [b for b in active if not (res[b].token_ids[-1] in eos or len(res[b].token_ids) >= g.max_new_tokens)]
+            active = [b for b in active if not finished(res[b])]
         total = time.perf_counter() - t_start
         for r in res:
             r.time_s = total
