@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +23,42 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_isolated(cmd: list[str], log_path: Path, timeout: int = 1800) -> tuple[int, str]:
+    """Run cmd in its own process group, stdout+stderr to log_path; afterwards kill whatever of the group is left.
+
+    vLLM starts an EngineCore child process; if it outlives its parent it holds memory, cores and shared memory that
+    the next engine start needs, so the whole group goes when the job ends.
+    """
+    with open(log_path, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = 124
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    return rc, log_path.read_text(errors="replace")
+
+
+ERROR_LINE = re.compile(r"^\s*(?:[\w.]+(?:Error|Exception)\b|.*\bERROR\b|Killed)")
+
+
+def root_cause(log: str, keep: int = 25) -> str:
+    """The lines of a failed vLLM log that say why: error / exception lines (deduplicated), then the last 10 lines."""
+    lines = log.splitlines()
+    seen, picked = set(), []
+    for ln in lines:
+        key = ln.strip()
+        if ERROR_LINE.match(ln) and key not in seen:
+            seen.add(key)
+            picked.append(key[:400])
+    return "\n".join(picked[-keep:] + ["... last lines:"] + [ln[:400] for ln in lines[-10:]])
 
 
 def short_drafters(work: Path, steps: int) -> list[Path]:
@@ -54,6 +93,8 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--retries", type=int, default=1,
+                    help="rerun a vLLM job that exits non-zero this many times (each failure's cause goes in the report)")
     ap.add_argument("--speed-only", action="store_true",
                     help="record speed and acceptance side by side without asserting (e.g. bf16, whose kernels differ)")
     args = ap.parse_args()
@@ -73,7 +114,7 @@ def main() -> int:
     prompts = load_prompts(BenchConfig(dataset="sharegpt-val", data=str(data), num_prompts=args.prompts), tok)
     eos = [tok.eos_token_id]
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "dtype": args.dtype, "k": args.k, "prompts": len(prompts),
-              "max_tokens": args.max_tokens, "runs": []}
+              "max_tokens": args.max_tokens, "runs": [], "vllm_start_retries": []}
     failures = []
 
     def run_vllm(name, spec):
@@ -81,11 +122,19 @@ def main() -> int:
                "speculative_config": spec}
         jp, rp = work / f"job-{name}.json", work / f"result-{name}.json"
         jp.write_text(json.dumps(job))
-        r = subprocess.run([args.vllm_python, str(ROOT / "scripts" / "vllm_run.py"), str(jp), str(rp)],
-                           capture_output=True, text=True, timeout=1800)
-        if r.returncode:
-            raise RuntimeError(f"vLLM run {name} failed:\n{r.stderr[-4000:]}")
-        return json.loads(rp.read_text())
+        causes = []
+        for attempt in range(1 + args.retries):
+            rp.unlink(missing_ok=True)
+            rc, log = run_isolated([args.vllm_python, str(ROOT / "scripts" / "vllm_run.py"), str(jp), str(rp)],
+                                   work / f"vllm-{name}-{attempt}.log")
+            if rc == 0:
+                if causes:  # recorded, never hidden: the report says an engine start failed and why
+                    report["vllm_start_retries"].append({"run": name, "failed_attempts": causes})
+                return json.loads(rp.read_text())
+            causes.append(root_cause(log))
+            print(f"[vllm] run {name} attempt {attempt + 1} failed (rc {rc}); full log: "
+                  f"{work / f'vllm-{name}-{attempt}.log'}\n{causes[-1]}", file=sys.stderr, flush=True)
+        raise RuntimeError(f"vLLM run {name} failed {len(causes)} times; root causes:\n" + "\n---\n".join(causes))
 
     g = GenerationConfig(max_new_tokens=args.max_tokens, num_speculative_tokens=args.k, eos_token_ids=eos)
     plain_engine = Engine(model)
