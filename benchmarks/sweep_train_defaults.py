@@ -22,6 +22,8 @@ SETTINGS = {
     "lr 3e-4": {"lr": 3e-4},
     "depth decay 0.8": {"loss_decay": 0.8},
     "2 draft layers": {"num_layers": 2},
+    "lr 3e-3": {"lr": 3e-3},
+    "trainable embeddings": {"train_embeddings": True},
 }
 
 
@@ -33,7 +35,8 @@ def main() -> None:
     ap.add_argument("--output", default="benchmarks/results/sweep_train_defaults.json")
     ap.add_argument("--only", nargs="*", help="run only these setting names")
     a = ap.parse_args()
-    rows = []
+    old = json.loads(Path(a.output).read_text())["rows"] if a.only and Path(a.output).is_file() else []
+    rows = [r for r in old if r["setting"] not in a.only] if a.only else []  # --only adds to an earlier sweep
     for name, over in SETTINGS.items():
         if a.only and name not in a.only:
             continue

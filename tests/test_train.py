@@ -119,6 +119,22 @@ def test_online_equals_offline_first_step(world):
     assert torch.equal(b1.valid, b2.valid) and torch.equal(b1.doc, b2.doc)
 
 
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_embeddings_frozen_by_default_trained_on_request(world, algorithm):
+    tok, model, tmp = world
+    ref = model.get_input_embeddings().weight.detach().float()  # [V, H]
+    rows = {}
+    for flag in (False, True):
+        out = f"emb-{algorithm}-{flag}"
+        train(cfg(tmp, out, algorithm=algorithm, max_steps=3, train_embeddings=flag), verifier=model, tokenizer=tok)
+        rows[flag] = load_file(str(tmp / out / "model.safetensors"))["embed_tokens.weight"]  # [V, H]
+    changed = lambda e: set((e - ref).abs().amax(-1).nonzero().flatten().tolist())  # noqa: E731
+    mask_row = json.loads((tmp / f"emb-{algorithm}-False" / "config.json").read_text()).get("mask_token_id")
+    assert changed(rows[False]) == ({mask_row} if algorithm == "peagle" else set())  # only P-EAGLE's mask row trains
+    trained = changed(rows[True]) - {mask_row}
+    assert len(trained) > 5  # the rows of tokens the drafter read moved
+
+
 def test_acceptance_estimate_formula():
     # 3 chains (anchors 0..2), depths 0..2: correctness pattern per anchor
     pattern = {0: [1, 1, 0], 1: [1, 0, 1], 2: [0, 1, 1]}

@@ -226,6 +226,8 @@ class TrainConfig:
     loss_decay: float | None = opt(None, help="per-depth / per-step loss weight decay (default: 1.0 P-EAGLE, 0.8 EAGLE-3)")
     init_norm: str = opt("ones", help="drafter final norm starts as ones or as the verifier's final norm (measured "
                          "equal on the embedded verifier)", choices=["ones", "verifier"])
+    train_embeddings: bool = opt(False, help="train the drafter's copy of the verifier's token embeddings too "
+                                 "(default: frozen, only P-EAGLE's mask row trains; exported either way)")
     num_speculative_tokens: int = opt(7, help="K recorded in the checkpoint (vLLM default)")
     lr: float = opt(1e-3, help="peak learning rate (AdamW; 1e-3 measured best on the embedded verifier)")
     weight_decay: float = opt(0.0, help="AdamW weight decay")

@@ -151,6 +151,8 @@ class Trainer:
             aux_layer_ids=list(self.source.layer_ids), verifier=resolve_verifier(self.verifier_name))
         self.model = build_drafter(dcfg)
         self.model.init_from_verifier(verifier, d2t, t2d, norm=cfg.init_norm == "verifier")
+        # the drafter's own copy of the verifier's embeddings (written to every checkpoint): frozen unless asked
+        self.model.embed_tokens.weight.requires_grad_(cfg.train_embeddings)
         self.model.to(device)
         backend = cfg.attention if cfg.attention != "auto" else ("flex" if device.startswith("cuda") else "sdpa")
         self.model.backend = backend
