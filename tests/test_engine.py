@@ -12,6 +12,7 @@ from test_models import tiny_drafter
 from paradraft.config import PrepareConfig, TrainConfig
 from paradraft.data.prepare import prepare
 from paradraft.decode.engine import Engine, GenerationConfig
+from paradraft.models.common import DraftCache
 from paradraft.decode.sampling import process_logits
 from paradraft.decode.verify import greedy_accept, rejection_accept
 from paradraft.train.trainer import train
@@ -118,14 +119,23 @@ def test_one_draft_token_per_pass(algorithm):
         [r.token_ids for r in Engine(v).generate(prompts, g)]
 
 
-def test_eos_and_length_limits_per_row():
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_eos_and_length_limits_per_row(algorithm, monkeypatch):
     v = make_tiny_llama(vocab_size=120, seed=1)
-    d, _ = tiny_drafter("peagle", verifier=v)
+    d, _ = tiny_drafter(algorithm, verifier=v)
     prompts = prompts_for(120, n=4)
     free = Engine(v).generate(prompts, GenerationConfig(max_new_tokens=16))
     eos = free[0].token_ids[5]  # a token row 0 emits: it must stop there
+    kept = []  # the rows left in the drafter cache each time a row finishes
+    real_keep = DraftCache.keep_docs
+
+    def spy(cache, docs):
+        real_keep(cache, docs)
+        kept.append(sorted(set(cache.elems.doc.tolist())))
+    monkeypatch.setattr(DraftCache, "keep_docs", spy)
     out = Engine(v, d).generate(prompts, GenerationConfig(max_new_tokens=16, num_speculative_tokens=4,
                                                           eos_token_ids=[eos]))
+    assert kept and 0 not in kept[0]  # row 0 stopped first, and its drafter keys left the cache
     for f, o in zip(free, out):
         want = f.token_ids[: f.token_ids.index(eos) + 1] if eos in f.token_ids else f.token_ids
         assert o.token_ids == want

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -194,6 +195,24 @@ def test_peagle_training_logits_equal_one_pass_inference(flavour):
                 if len(sel) and j + depth < 30 and b.doc[j + depth] == b.doc[j]:
                     torch.testing.assert_close(out[depth], logits[sel[0, 0]], atol=1e-4, rtol=1e-4)
             del sl
+
+
+def test_cache_keep_docs_drops_finished_rows_and_changes_no_logits():
+    model, _ = tiny_drafter("peagle")
+    K = 4
+    b = random_slots(20, model, doc_lengths=[10, 10])
+    toks, hids, pos = b.tokens, b.hidden, b.positions  # rows 0 and 1: slots 0..9 and 10..19
+    with torch.no_grad():
+        cache = DraftCache()
+        model.draft(torch.cat([toks[:6], toks[10:16]]), torch.cat([hids[:6], hids[10:16]]),
+                    torch.cat([pos[:6], pos[10:16]]), K, cache, doc=torch.tensor([0, 1]), counts=[6, 6])
+        both = model.draft(toks[16:20], hids[16:20], pos[16:20], K, copy.deepcopy(cache), doc=torch.tensor([1]),
+                           counts=[4])  # [1, K, Vd]
+        cache.keep_docs([1])  # row 0 finished
+        assert len(cache) == 6 and set(cache.elems.doc.tolist()) == {1}
+        assert all(k.shape[2] == 6 and v.shape[2] == 6 for k, v in cache.kv)
+        alone = model.draft(toks[16:20], hids[16:20], pos[16:20], K, cache, doc=torch.tensor([1]), counts=[4])
+    torch.testing.assert_close(alone, both, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("flavour", ["llama", "qwen3"])

@@ -189,7 +189,10 @@ class Engine:
                               torch.arange(last_pos + 1, last_pos + m + 2))
                     if on_tokens:
                         on_tokens(b, cut)
-            active = [b for b in active if not finished(res[b])]
+            still = [b for b in active if not finished(res[b])]
+            if self.drafter is not None and len(still) < len(active):
+                cache.keep_docs(still)  # finished rows' drafter keys leave the attention of the rest
+            active = still
         total = time.perf_counter() - t_start
         for r in res:
             r.time_s = total

@@ -49,6 +49,10 @@ class Elements:
         """Elements [start:end]."""
         return Elements(self.anchor[start:end], self.depth[start:end], self.doc[start:end])
 
+    def select(self, idx: torch.Tensor) -> "Elements":
+        """Elements at these indices [n]."""
+        return Elements(self.anchor[idx], self.depth[idx], self.doc[idx])
+
     def to(self, device) -> "Elements":
         return Elements(self.anchor.to(device), self.depth.to(device), self.doc.to(device))
 

@@ -241,6 +241,16 @@ class DraftCache:
         self.kv = [(k[:, :, :n], v[:, :, :n]) for k, v in self.kv]
         self.elems = self.elems.slice(0, n)
 
+    def keep_docs(self, docs: list[int]) -> None:
+        """Keep only the elements of these documents (finished rows of a batch leave the drafter's attention)."""
+        if self.kv is None:
+            return
+        idx = torch.isin(self.elems.doc, torch.tensor(docs, device=self.elems.doc.device)).nonzero().flatten()  # [n]
+        if len(idx) == len(self):
+            return
+        self.kv = [(k.index_select(2, idx.to(k.device)), v.index_select(2, idx.to(v.device))) for k, v in self.kv]
+        self.elems = self.elems.select(idx)
+
 
 class DraftModel(nn.Module):
     """fc + decoder layers + norm + lm_head over the draft vocab, on flat element lists."""
