@@ -302,7 +302,7 @@ class Trainer:
                                         enabled=cfg.autocast != "float32"):
                         loss, stats = self.wrapped(b, generator=self.gen, **self.train_args)
                     if not torch.isfinite(loss):
-                        raise TrainingError(f"non-finite loss {float(loss)} at step {self.step} (lr {lr:.2e}); "
+                        raise TrainingError(f"non-finite loss {float(loss.detach())} at step {self.step} (lr {lr:.2e}); "
                                             f"the last good checkpoint is kept in {self.ckpt_dir}")
                     (loss / cfg.grad_accum).backward()
                     loss_sum += float(loss.detach()) / cfg.grad_accum
