@@ -12,9 +12,9 @@ from test_models import tiny_drafter
 from paradraft.config import PrepareConfig, TrainConfig
 from paradraft.data.prepare import prepare
 from paradraft.decode.engine import Engine, GenerationConfig
-from paradraft.models.common import DraftCache
 from paradraft.decode.sampling import process_logits
 from paradraft.decode.verify import greedy_accept, rejection_accept
+from paradraft.models.common import DraftCache
 from paradraft.train.trainer import train
 
 N_PROMPTS = 20
