@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
 from . import config as C
+from .errors import UserError
+
+# the machine, not paradraft, is at fault: no space, a read-only filesystem, no permission, quota
+ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 
 WORKFLOW = """\
 P-EAGLE parallel drafting for lossless speculative decoding.
@@ -87,13 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = C.config_from_args(cls, args)
         fn(cfg)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"paradraft {args.command}: interrupted" + (f" ({e})" if str(e) else ""), file=sys.stderr)
         return 130
-    except (C.ConfigError, ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+    except UserError as e:  # bad input the user can fix: one line. Anything else is a bug and keeps its traceback.
         if os.environ.get("PARADRAFT_DEBUG"):
             raise
         print(f"paradraft {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.errno not in ENVIRONMENT_ERRNOS or os.environ.get("PARADRAFT_DEBUG"):
+            raise
+        where = f" {e.filename}" if e.filename else ""
+        print(f"paradraft {args.command}: error:{where}: {e.strerror}", file=sys.stderr)
         return 1
     return 0
 

@@ -11,20 +11,65 @@ from typing import Any, TypeVar
 
 import yaml
 
+from .errors import UserError
+
 T = TypeVar("T")
 
 
 def opt(default: Any = None, help: str = "", *, short: str | None = None, choices: list | None = None, factory=None,
-        positional: bool = False):
-    """A config field with CLI help text; `factory` for mutable defaults; `positional` also takes it bare."""
-    meta = {"help": help, "short": short, "choices": choices, "positional": positional}
+        positional: bool = False, ge: float | None = None, gt: float | None = None, le: float | None = None,
+        lt: float | None = None):
+    """A config field with CLI help text; `factory` for mutable defaults; `positional` also takes it bare.
+
+    ge / gt / le / lt: the range of a numeric field (each element of a list field), checked whenever a config is
+    built, so a value out of range is refused with the flag's name before any work starts.
+    """
+    meta = {"help": help, "short": short, "choices": choices, "positional": positional,
+            "range": {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
-class ConfigError(ValueError):
-    """Bad configuration: an unknown key, a wrong type, a missing required value."""
+class ConfigError(UserError, ValueError):
+    """Bad configuration: an unknown key, a wrong type, a value out of range, a missing required value."""
+
+
+_OPS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
+        "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
+
+
+def flag_name(field: str) -> str:
+    """The CLI flag of a config field."""
+    return "--" + field.replace("_", "-")
+
+
+def range_text(rng: dict) -> str:
+    return " and ".join(f"{_OPS[k][0]} {v:g}" for k, v in rng.items())
+
+
+class Checked:
+    """Mixin of the command configs: every field's range and choices are checked when the config is built (from
+    flags, YAML or code); `check()` adds the rules that tie fields together."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            rng = f.metadata.get("range") or {}
+            choices = f.metadata.get("choices")
+            values = value if isinstance(value, (list, tuple)) else [value]
+            for v in values:
+                if v is None:
+                    continue
+                if choices and v not in choices:
+                    raise ConfigError(f"{flag_name(f.name)} must be one of {', '.join(map(str, choices))}, got {v!r}")
+                if rng and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    if any(not ok(v, rng[k]) for k, (_, ok) in _OPS.items() if k in rng) or v != v:
+                        raise ConfigError(f"{flag_name(f.name)} must be {range_text(rng)}, got {v:g}")
+        self.check()
+
+    def check(self) -> None:
+        """Rules between fields (override)."""
 
 
 def _base_type(tp):
@@ -49,8 +94,11 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         help_text = f.metadata.get("help", "")
+        if f.metadata.get("range"):
+            help_text += f" ({range_text(f.metadata['range'])})"
         if default not in (None, [], ""):
             help_text += f" (default: {default})"
+        help_text = help_text.replace("%", "%%")  # argparse formats help strings
         kw: dict[str, Any] = dict(dest=f.name, default=None, help=help_text)
         if f.metadata.get("choices"):
             kw["choices"] = f.metadata["choices"]
@@ -113,7 +161,10 @@ def build_config(cls: type[T], yaml_path: str | Path | None = None, overrides: d
     for k, v in (overrides or {}).items():
         if k in names and v is not None:
             values[k] = _coerce(k, v, hints[k])
-    return cls(**values)
+    try:
+        return cls(**values)
+    except TypeError as e:  # a required value left out
+        raise ConfigError(f"{cls.__name__}: {e}") from None
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
@@ -136,25 +187,29 @@ DEFAULT_VERIFIER = "smollm2-135m"
 
 
 @dataclasses.dataclass
-class PrepareConfig:
+class PrepareConfig(Checked):
     """`paradraft prepare`: chat data -> tokenized samples with the assistant loss mask."""
 
     data: list[str] = opt(factory=lambda: ["sharegpt"], help="data source (repeatable): sharegpt | humaneval | "
                           "chitchat | FILE.json[l] (ShareGPT or messages) | DIR saved by datasets.save_to_disk")
     output: str = opt("runs/data", help="output directory", short="-o")
     verifier: str = opt(DEFAULT_VERIFIER, help="verifier whose tokenizer and chat template are used")
-    seq_length: int = opt(2048, help="truncate samples to this many tokens")
-    max_samples: int | None = opt(None, help="keep at most this many samples (after the seeded shuffle)")
+    seq_length: int = opt(2048, help="truncate samples to this many tokens", ge=2)
+    max_samples: int | None = opt(None, help="keep at most this many samples (after the seeded shuffle)", ge=1)
     seed: int = opt(0, help="seed of the deterministic shuffle")
-    val_fraction: float = opt(0.02, help="held-out fraction for validation and benchmarks")
+    val_fraction: float = opt(0.02, help="held-out fraction for validation and benchmarks", ge=0, lt=1)
     last_turn_only: bool = opt(False, help="train only on the last assistant turn")
     chat_template: str | None = opt(None, help="Jinja chat template file, for tokenizers without one")
-    preview: int = opt(0, help="print N samples with the trained (loss-masked) text highlighted")
-    overwrite: bool = opt(False, help="replace an output directory that holds a different dataset")
+    preview: int = opt(0, help="print N samples with the trained (loss-masked) text highlighted", ge=0)
+    overwrite: bool = opt(False, help="replace a dataset this command wrote before in --output (never other files)")
+
+    def check(self) -> None:
+        if not self.data:
+            raise ConfigError("--data: give at least one source")
 
 
 @dataclasses.dataclass
-class RegenerateConfig:
+class RegenerateConfig(Checked):
     """`paradraft regenerate`: the verifier writes fresh answers to the user turns (on-policy data)."""
 
     data: list[str] = opt(factory=lambda: ["sharegpt"], help="data source (repeatable), as for prepare")
@@ -163,51 +218,90 @@ class RegenerateConfig:
     endpoint: str | None = opt(None, help="OpenAI-compatible server URL (e.g. vLLM http://host:8000/v1) "
                                "instead of the local model")
     model_name: str | None = opt(None, help="model name sent to --endpoint (default: the verifier name)")
-    max_samples: int | None = opt(None, help="regenerate at most this many conversations (after the shuffle)")
-    max_turns: int = opt(1, help="regenerate the first N user turns of each conversation")
-    max_new_tokens: int = opt(256, help="longest answer per turn")
-    max_prompt_tokens: int = opt(1024, help="skip conversations whose prompt is longer")
-    temperature: float = opt(0.0, help="0 = greedy")
-    top_p: float = opt(1.0, help="nucleus sampling")
-    batch_size: int = opt(8, help="conversations generated together")
+    max_samples: int | None = opt(None, help="regenerate at most this many conversations (after the shuffle)", ge=1)
+    max_turns: int = opt(1, help="regenerate the first N user turns of each conversation", ge=1)
+    max_new_tokens: int = opt(256, help="longest answer per turn", ge=1)
+    max_prompt_tokens: int = opt(1024, help="skip conversations whose prompt is longer", ge=1)
+    temperature: float = opt(0.0, help="0 = greedy", ge=0)
+    top_p: float = opt(1.0, help="nucleus sampling", gt=0, le=1)
+    batch_size: int = opt(8, help="conversations generated together", ge=1)
     seed: int = opt(0, help="seed of the shuffle and of sampling")
     dtype: str = opt("bfloat16", help="verifier dtype", choices=["bfloat16", "float32"])
-    timeout: float = opt(300.0, help="HTTP timeout per request with --endpoint (seconds)")
+    timeout: float = opt(300.0, help="HTTP timeout per request with --endpoint (seconds)", gt=0)
 
 
 @dataclasses.dataclass
-class VocabConfig:
+class VocabConfig(Checked):
     """`paradraft vocab`: draft vocabulary (d2t, t2d) from the token frequencies of prepared data."""
 
     data: list[str] = opt(factory=lambda: ["runs/data"], help="prepared data directory (repeatable, counts add up)")
-    output: str = opt("runs/vocab.safetensors", help="output file", short="-o")
-    size: int = opt(8192, help="draft vocabulary size")
+    output: str = opt("runs/vocab.safetensors", help="output file (.safetensors; a .json summary is written beside)",
+                      short="-o")
+    size: int = opt(8192, help="draft vocabulary size", ge=1)
     fill: bool = opt(False, help="pad with the next ids in tokenizer order when fewer tokens were seen")
     verifier: str | None = opt(None, help="verifier (default: the one the data was prepared for)")
 
+    def check(self) -> None:
+        if not self.output.endswith(".safetensors"):
+            raise ConfigError(f"--output {self.output}: the vocabulary file must end in .safetensors")
+        if not self.data:
+            raise ConfigError("--data: give at least one prepared data directory")
+
 
 @dataclasses.dataclass
-class ExtractConfig:
+class ExtractConfig(Checked):
     """`paradraft extract`: verifier aux hidden states + last hidden state of every prepared sample -> shards."""
 
     data: str = opt("runs/data", help="prepared data directory")
     output: str = opt("runs/hidden_states", help="output directory", short="-o")
     verifier: str | None = opt(None, help="verifier (default: the one the data was prepared for)")
-    layers: list[int] | None = opt(None, help="aux layer ids, comma separated (default 2,L//2,L-3)")
+    layers: list[int] | None = opt(None, help="the 3 aux layer ids, comma separated (default 2,L//2,L-3)", ge=0)
     split: str = opt("all", help="which samples", choices=["all", "train", "val"])
     dtype: str = opt("bfloat16", help="verifier and storage dtype", choices=["bfloat16", "float32"])
-    batch_tokens: int = opt(8192, help="tokens per verifier batch (padded)")
-    samples_per_shard: int = opt(256, help="samples per shard file")
+    batch_tokens: int = opt(8192, help="tokens per verifier batch (padded)", ge=1)
+    samples_per_shard: int = opt(256, help="samples per shard file", ge=1)
     shard: str | None = opt(None, help="K/N: this process does shards K, K+N, ... (default: torchrun RANK/WORLD_SIZE)")
     trained_only: bool = opt(False, help="store only the positions training reads (drop the tail after the last "
                              "trained token, and last hidden states that are never a target)")
     validate: bool = opt(False, help="re-read and check every shard of --output, then exit")
-    max_samples: int | None = opt(None, help="extract at most this many samples")
+    overwrite: bool = opt(False, help="replace hidden states of another extraction in --output (only the files "
+                          "extract wrote)")
+    max_samples: int | None = opt(None, help="extract at most this many samples", ge=1)
     device: str = opt("cpu", help="torch device")
+
+    def check(self) -> None:
+        if self.layers is not None:
+            check_aux_layers(self.layers, "--layers")
+        if self.shard is not None:
+            parse_shard(self.shard)
+
+
+def check_aux_layers(layers: list[int], flag: str) -> None:
+    """EAGLE-3 and P-EAGLE read exactly three distinct verifier layers (vLLM's fc is 3H -> H)."""
+    if len(layers) != 3 or len(set(layers)) != 3:
+        raise ConfigError(f"{flag} needs 3 distinct layer ids (the drafter reads 3 verifier layers), got "
+                          f"{','.join(map(str, layers))}")
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    """'K/N' -> (K, N) with 0 <= K < N."""
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise ConfigError(f"--shard must look like K/N, got {spec!r}") from None
+    if not 0 <= k < n:
+        raise ConfigError(f"--shard K/N needs 0 <= K < N, got {spec}")
+    return k, n
+
+
+# flags that may change when a run is resumed: how long it runs, how often it saves, logs and validates, where
+# its files are (the data's identity is checked separately). Everything else must equal the checkpoint's.
+RESUME_MAY_CHANGE = ("resume", "overwrite", "max_steps", "epochs", "save_every", "keep_checkpoints", "log_every",
+                     "val_every", "val_samples", "device", "attention", "output", "data", "hidden_states")
 
 
 @dataclasses.dataclass
-class TrainConfig:
+class TrainConfig(Checked):
     """`paradraft train`: train a P-EAGLE or EAGLE-3 drafter."""
 
     algorithm: str = opt("peagle", help="drafter algorithm", choices=["peagle", "eagle3"])
@@ -217,42 +311,59 @@ class TrainConfig:
     online: bool = opt(False, help="compute hidden states with the verifier inside training (nothing on disk)")
     output: str = opt("runs/drafter", help="output directory: final checkpoint, metrics.jsonl, plot", short="-o")
     vocab: str | None = opt(None, help="draft vocabulary file from `paradraft vocab` (default: built from --data)")
-    draft_vocab_size: int = opt(8192, help="draft vocabulary size when --vocab is not given")
-    num_layers: int = opt(1, help="draft decoder layers")
-    num_depths: int = opt(8, help="P-EAGLE prediction depths trained (K drafted in one pass <= this)")
-    cod_ratio: float = opt(0.7, help="P-EAGLE COD keep ratio per depth")
-    cod_ratio_min: float = opt(0.2, help="P-EAGLE COD floor")
-    ttt_steps: int = opt(3, help="EAGLE-3 training-time-test unroll steps")
-    loss_decay: float | None = opt(None, help="per-depth / per-step loss weight decay (default: 1.0 P-EAGLE, 0.8 EAGLE-3)")
+    draft_vocab_size: int = opt(8192, help="draft vocabulary size when --vocab is not given", ge=1)
+    num_layers: int = opt(1, help="draft decoder layers", ge=1)
+    num_depths: int = opt(8, help="P-EAGLE prediction depths trained (K drafted in one pass <= this)", ge=1)
+    cod_ratio: float = opt(0.7, help="P-EAGLE COD keep ratio per depth", gt=0, le=1)
+    cod_ratio_min: float = opt(0.2, help="P-EAGLE COD floor", gt=0, le=1)
+    ttt_steps: int = opt(3, help="EAGLE-3 training-time-test unroll steps", ge=1)
+    loss_decay: float | None = opt(None, help="per-depth / per-step loss weight decay (default: 1.0 P-EAGLE, 0.8 EAGLE-3)",
+                                   gt=0)
     init_norm: str = opt("ones", help="drafter final norm starts as ones or as the verifier's final norm (measured "
                          "equal on the embedded verifier)", choices=["ones", "verifier"])
     train_embeddings: bool = opt(False, help="train the drafter's copy of the verifier's token embeddings too "
                                  "(default: frozen, only P-EAGLE's mask row trains; exported either way)")
-    num_speculative_tokens: int = opt(7, help="K recorded in the checkpoint (vLLM default)")
-    lr: float = opt(1e-3, help="peak learning rate (AdamW; 1e-3 measured best on the embedded verifier)")
-    weight_decay: float = opt(0.0, help="AdamW weight decay")
-    warmup_steps: int = opt(20, help="linear warmup steps, then cosine decay to 10%")
-    max_grad_norm: float = opt(1.0, help="gradient clipping")
-    batch_tokens: int = opt(4096, help="slots per packed sequence (samples are packed with document ids)")
-    grad_accum: int = opt(1, help="packed sequences per optimizer step (per process)")
-    epochs: int = opt(1, help="passes over the training split")
-    max_steps: int | None = opt(None, help="stop after this many optimizer steps (overrides --epochs; epochs cycle)")
-    save_every: int = opt(100, help="checkpoint every N steps")
-    keep_checkpoints: int = opt(2, help="how many step checkpoints to keep")
-    val_every: int = opt(0, help="validate every N steps (0 = only at the end)")
-    val_samples: int = opt(64, help="validation samples (held-out split)")
-    log_every: int = opt(1, help="metrics.jsonl every N steps")
+    num_speculative_tokens: int | None = opt(None, help="K recorded in the checkpoint (default: 7, and at most "
+                                             "--num-depths for P-EAGLE)", ge=1)
+    lr: float = opt(1e-3, help="peak learning rate (AdamW; 1e-3 measured best on the embedded verifier)", gt=0)
+    weight_decay: float = opt(0.0, help="AdamW weight decay", ge=0)
+    warmup_steps: int = opt(20, help="linear warmup steps, then cosine decay to 10%", ge=0)
+    max_grad_norm: float = opt(1.0, help="gradient clipping", gt=0)
+    batch_tokens: int = opt(4096, help="slots per packed sequence (samples are packed with document ids)", ge=2)
+    grad_accum: int = opt(1, help="packed sequences per optimizer step (per process)", ge=1)
+    epochs: int = opt(1, help="passes over the training split", ge=1)
+    max_steps: int | None = opt(None, help="stop after this many optimizer steps (overrides --epochs; epochs cycle)",
+                                ge=1)
+    save_every: int = opt(100, help="checkpoint every N steps", ge=1)
+    keep_checkpoints: int = opt(2, help="how many step checkpoints to keep", ge=1)
+    val_every: int = opt(0, help="validate every N steps (0 = only at the end)", ge=0)
+    val_samples: int = opt(64, help="validation samples (held-out split)", ge=0)
+    log_every: int = opt(1, help="metrics.jsonl every N steps", ge=1)
     seed: int = opt(0, help="seed (data order, COD sampling, init)")
-    resume: bool = opt(False, help="continue from the last checkpoint in --output")
+    resume: bool = opt(False, help="continue from the last checkpoint in --output (the flags must match it)")
+    overwrite: bool = opt(False, help="replace a training run this command wrote before in --output (its own files "
+                          "only)")
     autocast: str = opt("bfloat16", help="autocast dtype (weights stay float32)", choices=["bfloat16", "float32"])
     attention: str = opt("auto", help="attention backend: sdpa (dense mask), flex (GPU), auto", choices=["auto", "sdpa", "flex"])
     fsdp: bool = opt(False, help="shard the drafter with FSDP (torchrun, large drafters on GPUs)")
     device: str = opt("auto", help="cpu | cuda | auto")
     verifier_dtype: str = opt("bfloat16", help="verifier dtype (online mode and targets)", choices=["bfloat16", "float32"])
 
+    def check(self) -> None:
+        if (self.hidden_states is None) == (not self.online):
+            raise ConfigError("give --hidden-states DIR (offline) or --online, not both" if self.online
+                              else "give --hidden-states DIR (offline) or --online")
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume continues the run in --output, --overwrite replaces it: give one")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = min(7, self.num_depths) if self.algorithm == "peagle" else 7
+        elif self.algorithm == "peagle" and self.num_speculative_tokens > self.num_depths:
+            raise ConfigError(f"--num-speculative-tokens {self.num_speculative_tokens} > --num-depths "
+                              f"{self.num_depths}: a P-EAGLE drafter drafts only the depths it was trained on")
+
 
 @dataclasses.dataclass
-class GenerateConfig:
+class GenerateConfig(Checked):
     """`paradraft generate`: speculative decoding (or plain decoding without --drafter)."""
 
     verifier: str = opt(DEFAULT_VERIFIER, help="verifier")
@@ -260,33 +371,37 @@ class GenerateConfig:
     prompt: str | None = opt(None, help="one user turn (wrapped by the chat template)")
     prompts: str | None = opt(None, help="JSONL file: {id, prompt} or {id, messages} per line")
     output: str | None = opt(None, help="output JSONL (default: print a summary)", short="-o")
-    max_new_tokens: int = opt(256, help="longest answer")
-    temperature: float = opt(0.0, help="0 = greedy")
-    top_p: float = opt(1.0, help="nucleus sampling")
-    top_k: int = opt(0, help="top-k sampling (0 = off)")
-    num_speculative_tokens: int = opt(7, help="K draft tokens per verifier pass")
-    batch_size: int = opt(1, help="prompts decoded together")
+    max_new_tokens: int = opt(256, help="longest answer", ge=1)
+    temperature: float = opt(0.0, help="0 = greedy", ge=0)
+    top_p: float = opt(1.0, help="nucleus sampling", gt=0, le=1)
+    top_k: int = opt(0, help="top-k sampling (0 = off)", ge=0)
+    num_speculative_tokens: int = opt(7, help="K draft tokens per verifier pass", ge=1)
+    batch_size: int = opt(1, help="prompts decoded together", ge=1)
     dtype: str = opt("bfloat16", help="verifier and drafter dtype", choices=["bfloat16", "float32"])
     seed: int = opt(0, help="sampling seed")
     stream: bool = opt(False, help="print text as it is accepted (batch size 1)")
     force: bool = opt(False, help="use a drafter recorded for another verifier")
-    max_len: int = opt(4096, help="KV cache length per sequence")
+    max_len: int = opt(4096, help="KV cache length per sequence", ge=2)
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.prompts is None):
+            raise ConfigError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
 
 
 @dataclasses.dataclass
-class BenchConfig:
+class BenchConfig(Checked):
     """`paradraft bench`: acceptance length, per-position acceptance, tokens/s and speedup, side by side."""
 
     verifier: str = opt(DEFAULT_VERIFIER, help="verifier")
     drafter: list[str] = opt(factory=list, help="drafter checkpoint (repeatable)")
     dataset: str = opt("sharegpt-val", help="sharegpt-val (held-out split of --data) | humaneval | FILE.jsonl (prompts)")
     data: str = opt("runs/quickstart/data", help="prepared data whose validation split is sharegpt-val")
-    num_prompts: int = opt(8, help="prompts")
-    max_new_tokens: int = opt(128, help="tokens per answer")
-    temperature: float = opt(0.0, help="0 = greedy")
-    top_p: float = opt(1.0, help="nucleus sampling")
-    num_speculative_tokens: list[int] = opt(factory=lambda: [3, 5, 7], help="K values, comma separated")
-    repeats: int = opt(2, help="repeats (interleaved); tokens/s is the median")
+    num_prompts: int = opt(8, help="prompts", ge=1)
+    max_new_tokens: int = opt(128, help="tokens per answer", ge=1)
+    temperature: float = opt(0.0, help="0 = greedy", ge=0)
+    top_p: float = opt(1.0, help="nucleus sampling", gt=0, le=1)
+    num_speculative_tokens: list[int] = opt(factory=lambda: [3, 5, 7], help="K values, comma separated", ge=1)
+    repeats: int = opt(2, help="repeats (interleaved); tokens/s is the median", ge=1)
     prompt_lookup: bool = opt(True, help="also run Hugging Face assisted generation with prompt lookup")
     dtype: str = opt("bfloat16", help="dtype", choices=["bfloat16", "float32"])
     output: str = opt("runs/bench/results.json", help="output JSON", short="-o")
@@ -294,15 +409,23 @@ class BenchConfig:
     seed: int = opt(0, help="sampling seed")
     force: bool = opt(False, help="use drafters recorded for another verifier")
 
+    def check(self) -> None:
+        if not self.num_speculative_tokens:
+            raise ConfigError("--num-speculative-tokens: give at least one K")
+
 
 @dataclasses.dataclass
-class ExportConfig:
+class ExportConfig(Checked):
     """`paradraft export`: write (or validate and convert) a drafter checkpoint that vLLM serves."""
 
     drafter: str | None = opt(None, help="drafter checkpoint directory (paradraft, speculators or original EAGLE-3)",
                               positional=True)
-    output: str | None = opt(None, help="output directory", short="-o")
+    output: str | None = opt(None, help="output directory (new, empty, or an earlier export)", short="-o")
     verifier: str | None = opt(None, help="verifier (default: the one recorded in the drafter)")
     dtype: str = opt("bfloat16", help="weights dtype", choices=["bfloat16", "float32"])
-    num_speculative_tokens: int | None = opt(None, help="K recorded in the config (default: the drafter's)")
+    num_speculative_tokens: int | None = opt(None, help="K recorded in the config (default: the drafter's)", ge=1)
     force: bool = opt(False, help="export a drafter recorded for another verifier")
+
+    def check(self) -> None:
+        if not self.drafter or not self.output:
+            raise ConfigError("usage: paradraft export DRAFTER --output OUT")

@@ -7,9 +7,21 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import tempfile
 from pathlib import Path
+
+
+def umask() -> int:
+    """The process umask (read without changing it for longer than the call)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(path: str | Path) -> None:
+    """Give a file or directory made by mkstemp / mkdtemp (0600 / 0700) the mode the umask asks for."""
+    path = Path(path)
+    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask())
 
 
 def json_safe(obj):
@@ -27,43 +39,23 @@ def write_json(path: str | Path, obj, indent: int = 2) -> None:
     """Write standard JSON (non-finite floats as null) atomically (temp file in the same dir, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        json.dump(json_safe(obj), fh, indent=indent, allow_nan=False)
-        fh.write("\n")
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(json_safe(obj), fh, indent=indent, allow_nan=False)
+            fh.write("\n")
+        honour_umask(tmp)  # mkstemp makes 0600; outputs follow the umask (a vLLM server may run as another user)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read_json(path: str | Path):
     """Read a JSON file."""
     with open(path, encoding="utf-8") as fh:
         return json.load(fh)
-
-
-@contextlib.contextmanager
-def atomic_dir(target: str | Path, overwrite: bool = False):
-    """Yield a temporary directory beside `target`; on success it replaces `target` in one rename.
-
-    A killed run leaves only a hidden `.tmp-*` directory, never a half-written `target`.
-    """
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
-    try:
-        yield tmp
-        os.chmod(tmp, 0o755)
-        if target.exists():
-            if not overwrite:
-                raise FileExistsError(f"{target} exists")
-            old = target.parent / f".old-{target.name}-{os.getpid()}"
-            os.rename(target, old)
-            os.rename(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
@@ -78,3 +70,37 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
 def fingerprint(obj) -> str:
     """Short stable hash of a JSON-able object."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write a text file atomically (temp file beside it, then rename), honouring the umask."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        honour_umask(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def save_tensors(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
+    """safetensors file written beside `path` and renamed, with the umask's mode (safetensors itself makes
+    0600 files, which a vLLM server running as another user could not read)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        honour_umask(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

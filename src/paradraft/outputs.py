@@ -1,0 +1,200 @@
+"""The one rule for outputs: write beside the target and rename; replace only what paradraft itself made.
+
+Every directory a command writes carries a marker file, `.paradraft.json`, naming the kind of output it is
+(`dataset`, `hidden_states`, `train_run`, `drafter`, `quickstart`). A command may replace or add to a directory
+only when it is new, empty, or marked with the command's own kind; and it replaces as a whole only directories
+holding nothing but the files that kind is made of. Anything else is refused with a message naming the path and
+the flag, and nothing is deleted that paradraft did not create. Files and directories honour the umask.
+A lock file beside the target (`.NAME.lock`, flock) keeps two commands from writing one output at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import fnmatch
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from .errors import UserError
+from .utils import honour_umask, umask, write_json
+
+MARKER = ".paradraft.json"
+
+# The entries each kind of output directory is made of (glob patterns); hidden temporaries of paradraft's own
+# atomic writes (".tmp-*", ".*.tmp*") are always recognised.
+KIND_FILES: dict[str, tuple[str, ...]] = {
+    "dataset": ("input_ids.npy", "loss_mask.npy", "offsets.npy", "split.npy", "token_freqs.npy", "sample_ids.json",
+                "manifest.json"),
+    "hidden_states": ("identity.json", "manifest.json", "shard-*.safetensors", "shard-*.json"),
+    "drafter": ("config.json", "model.safetensors", "provenance.json"),
+    "train_run": ("config.json", "model.safetensors", "provenance.json", "metrics.jsonl", "training.png",
+                  "final_metrics.json", "train_config.yaml", "tensorboard", "checkpoints"),
+    "quickstart": ("regenerated.jsonl", "data", "hidden_states", "peagle", "results.json", "results.png",
+                   "results.config.json", "peagle-vllm"),
+}
+TEMPORARIES = (".tmp-*", ".*.tmp*", ".*.final", ".old-*", ".*.lock")
+
+
+class OutputError(UserError, FileExistsError):
+    """An output path the command may not write: another kind of output, foreign files, a file, read-only."""
+
+
+def _flag(flag: str) -> str:
+    return flag if flag.startswith("-") else f"--{flag}"
+
+
+def check_writable(path: str | Path, flag: str, *, is_dir: bool) -> Path:
+    """Fail early (before any work) when `path` cannot be written: a file where a directory goes or the
+    reverse, a parent that is a file, a read-only place. Creates nothing."""
+    path = Path(path).expanduser()
+    if path.exists():
+        if is_dir and not path.is_dir():
+            raise OutputError(f"{_flag(flag)} {path}: is a file, not a directory")
+        if not is_dir and path.is_dir():
+            raise OutputError(f"{_flag(flag)} {path}: is a directory; give a file path")
+    probe = path if (is_dir and path.is_dir()) else path.parent
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise OutputError(f"{_flag(flag)} {path}: {probe} is a file, so nothing can be created under it")
+    try:  # a real write: os.access says yes to root on a read-only filesystem
+        fd, tmp = tempfile.mkstemp(prefix=".paradraft-probe-", dir=probe)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise OutputError(f"{_flag(flag)} {path}: cannot write in {probe} ({e.strerror})") from None
+    return path
+
+
+def read_marker(path: str | Path) -> dict | None:
+    """The marker of an output directory, or None when it has none (or an unreadable one)."""
+    try:
+        m = json.loads((Path(path) / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return m if isinstance(m, dict) and isinstance(m.get("kind"), str) else None
+
+
+def marker_payload(kind: str) -> dict:
+    return {"kind": kind, "tool": "paradraft", "command": " ".join(sys.argv[:2]),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_marker(path: str | Path, kind: str) -> None:
+    """Mark `path` as a `kind` output of paradraft (kept if already there)."""
+    path = Path(path)
+    if (read_marker(path) or {}).get("kind") != kind:
+        write_json(path / MARKER, marker_payload(kind))
+
+
+def _recognised(name: str, kind: str) -> bool:
+    return name == MARKER or any(fnmatch.fnmatch(name, p) for p in KIND_FILES[kind] + TEMPORARIES)
+
+
+def foreign_entries(path: str | Path, kind: str) -> list[str]:
+    """Entries of `path` that a `kind` output is not made of."""
+    return sorted(e.name for e in Path(path).iterdir() if not _recognised(e.name, kind))
+
+
+def claim_dir(path: str | Path, kind: str, flag: str, *, legacy=None) -> str:
+    """May a `kind` command write into directory `path`? Returns "new" (absent), "empty", or "ours" (marked
+    `kind`, or an unmarked directory `legacy(path)` recognises as one paradraft wrote before markers existed).
+    Refuses (OutputError naming the path and the flag) a file, another kind, or a directory paradraft did not make.
+    """
+    path = check_writable(path, flag, is_dir=True)
+    if not path.exists():
+        return "new"
+    entries = [e.name for e in path.iterdir()]
+    if not entries:
+        return "empty"
+    marker = read_marker(path)
+    if marker is not None:
+        if marker["kind"] != kind:
+            raise OutputError(f"{_flag(flag)} {path}: holds a paradraft {marker['kind'].replace('_', ' ')} output, "
+                              f"not a {kind.replace('_', ' ')}; choose another {_flag(flag)}")
+        return "ours"
+    if legacy is not None and legacy(path) and not foreign_entries(path, kind):
+        return "ours"
+    shown = ", ".join(sorted(entries)[:5]) + (", ..." if len(entries) > 5 else "")
+    raise OutputError(f"{_flag(flag)} {path}: exists and was not written by paradraft ({shown}); "
+                      f"paradraft replaces only its own outputs: choose another {_flag(flag)}")
+
+
+def check_replaceable(path: str | Path, kind: str, flag: str) -> None:
+    """Refuse to replace a marked directory that also holds files its kind is not made of (they are not ours)."""
+    path = Path(path)
+    if path.is_dir():
+        extra = foreign_entries(path, kind)
+        if extra:
+            raise OutputError(f"{_flag(flag)} {path}: holds files paradraft did not write ({', '.join(extra[:5])}); "
+                              f"move them away or choose another {_flag(flag)}")
+
+
+@contextlib.contextmanager
+def output_lock(target: str | Path, flag: str):
+    """Hold an exclusive lock on `target` (a lock file beside it) for the duration; refuse when another
+    paradraft command holds it. The lock dies with the process (flock), so a killed run leaves no stale lock."""
+    target = Path(target).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.parent / f".{target.name}.lock"
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666 & ~umask())
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise OutputError(f"{_flag(flag)} {target}: another paradraft command is writing it now "
+                                  f"(lock {lock_path}); wait for it or choose another {_flag(flag)}") from None
+            raise
+        try:  # the file we locked must still be the one at lock_path (a releasing holder unlinks it)
+            same = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock_path)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def replace_dir(target: str | Path, kind: str, flag: str):
+    """Yield a fresh temporary directory beside `target`; on success it becomes `target` in one rename and is
+    marked `kind`. An existing `target` must have been claimed first (`claim_dir`): it is replaced only when it
+    holds nothing but `kind` files, so no user file is ever deleted. A killed run leaves only a hidden `.tmp-*`.
+    """
+    target = Path(target).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    try:
+        yield tmp
+        write_json(tmp / MARKER, marker_payload(kind))
+        honour_umask(tmp)
+        if not target.exists():
+            os.rename(tmp, target)
+        elif read_marker(target) is None and not any(target.iterdir()):
+            # an empty directory the user made stays theirs: move the files in, completion markers last
+            last = ("manifest.json", MARKER)
+            for e in sorted(tmp.iterdir(), key=lambda e: (e.name in last, last.index(e.name) if e.name in last else 0)):
+                os.rename(e, target / e.name)
+        else:
+            check_replaceable(target, kind, flag)  # checked again at the last moment
+            old = target.parent / f".old-{target.name}-{os.getpid()}"
+            os.rename(target, old)
+            os.rename(tmp, target)
+            shutil.rmtree(old)  # only files of this kind, written by paradraft (checked above)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
