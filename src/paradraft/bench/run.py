@@ -19,8 +19,10 @@ import numpy as np
 import torch
 
 from ..config import BenchConfig
-from ..decode.engine import Engine, GenerationConfig
+from ..decode.engine import Engine, GenerationConfig, GenerationError
 from ..decode.generate import encode_prompt, read_prompts, stop_token_ids
+from ..errors import DataError
+from ..outputs import check_writable
 from ..utils import write_json
 
 
@@ -44,7 +46,8 @@ def load_prompts(cfg: BenchConfig, tok) -> list[list[int]]:
             if len(out) >= cfg.num_prompts:
                 break
         if not out:
-            raise ValueError(f"{cfg.data} has no validation samples to use as prompts")
+            raise DataError(f"--data {cfg.data} has no validation samples to use as prompts (prepare it with "
+                            f"--val-fraction > 0)")
         return out
     return [encode_prompt(tok, r) for r in read_prompts(cfg.dataset)[: cfg.num_prompts]]
 
@@ -97,12 +100,19 @@ def bench(cfg: BenchConfig) -> dict:
     from ..models.checkpoint import load_drafter
     from ..verifier import load_verifier
 
+    check_writable(cfg.output, "--output", is_dir=False)  # before the work, not after it
+    if cfg.plot:
+        check_writable(cfg.plot, "--plot", is_dir=False)
     model, tok = load_verifier(cfg.verifier, dtype=cfg.dtype)
     prompts = load_prompts(cfg, tok)
     eos = stop_token_ids(tok)
     drafters = []
     for path in cfg.drafter:
         d = load_drafter(path, verifier=model, verifier_name=cfg.verifier, force=cfg.force).to(getattr(torch, cfg.dtype))
+        depths = d.cfg.num_depths
+        if depths is not None and max(cfg.num_speculative_tokens) > depths:
+            raise GenerationError(f"--num-speculative-tokens {max(cfg.num_speculative_tokens)}: the P-EAGLE drafter "
+                                  f"{path} was trained on {depths} depths; benchmark K <= {depths}")
         drafters.append((path, d))
     methods = [("plain", None, None, 0)]
     for path, d in drafters:

@@ -20,15 +20,17 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..utils import read_json, sha256_file, write_json
+from ..errors import UserError
+from ..config import parse_shard
+from ..outputs import check_replaceable, claim_dir, write_marker
+from ..utils import read_json, save_tensors, sha256_file, write_json
 
 FORMAT = "paradraft-hidden-states-v1"
 
 
-class HiddenStateError(RuntimeError):
+class HiddenStateError(UserError, RuntimeError):
     """A shard or manifest that is missing, corrupt, or does not match."""
 
 
@@ -127,13 +129,7 @@ def _shard_name(k: int) -> str:
 
 def _parse_shard(spec: str | None) -> tuple[int, int]:
     if spec:
-        try:
-            k, n = (int(x) for x in spec.split("/"))
-        except ValueError:
-            raise ValueError(f"--shard must look like K/N, got {spec!r}") from None
-        if not 0 <= k < n:
-            raise ValueError(f"--shard K/N needs 0 <= K < N, got {spec}")
-        return k, n
+        return parse_shard(spec)
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
@@ -149,6 +145,7 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
     if cfg.validate:
         return validate(out)
     ds = PreparedDataset(cfg.data)
+    claim_dir(out, "hidden_states", "--output", legacy=lambda p: (p / "identity.json").is_file())
     verifier_name = cfg.verifier or ds.manifest["verifier"]
     dtype = getattr(torch, cfg.dtype)
     if model is None:
@@ -157,6 +154,10 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
         model, tokenizer = load_verifier(verifier_name, dtype=dtype, device=cfg.device)
     L, H = model.config.num_hidden_layers, model.config.hidden_size
     layer_ids = resolve_layers(L, cfg.layers)
+    bad = [i for i in layer_ids if not 0 <= i < L]
+    if bad:  # checked before anything is written
+        raise HiddenStateError(f"--layers {','.join(map(str, layer_ids))}: ids {bad} do not exist in a {L}-layer "
+                               f"verifier (valid: 0..{L - 1})")
     indices = ds.indices(cfg.split)
     if cfg.max_samples is not None:
         indices = indices[: cfg.max_samples]
@@ -173,14 +174,7 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
                 "verifier": verifier_name, "layer_ids": layer_ids, "dtype": cfg.dtype, "split": cfg.split,
                 "trained_only": cfg.trained_only, "samples_per_shard": cfg.samples_per_shard,
                 "num_samples": len(indices)}
-    out.mkdir(parents=True, exist_ok=True)
-    ident_path = out / "identity.json"
-    if ident_path.is_file():
-        if read_json(ident_path) != identity:
-            raise HiddenStateError(f"{out} holds hidden states of another extraction (different data, verifier, "
-                                   f"layers or options); use another --output or delete it")
-    else:
-        write_json(ident_path, identity)
+    _claim_identity(out, identity, cfg.overwrite)
 
     bpt = _bytes_per_token(H, len(layer_ids), dtype)
     todo = [s for s in mine if not _shard_done(out, s)]
@@ -229,6 +223,35 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
     return manifest or {"shards_done": len(done), "num_shards": len(shards)}
 
 
+def _claim_identity(out: Path, identity: dict, overwrite: bool = False) -> None:
+    """Write `identity.json` if absent (atomically: of two extractions starting at once one wins and the other
+    compares), else require it to equal `identity` (or, with overwrite, remove the other extraction's files).
+    Marks the directory as paradraft's hidden states."""
+    out.mkdir(parents=True, exist_ok=True)
+    ident_path = out / "identity.json"
+    if ident_path.is_file() and read_json(ident_path) != identity:
+        if not overwrite:
+            raise HiddenStateError(f"--output {out}: holds hidden states of another extraction (different data, "
+                                   f"verifier, layers or options); pass --overwrite to replace them, or choose "
+                                   f"another --output")
+        check_replaceable(out, "hidden_states", "--output")
+        for f in [*out.glob("shard-*.safetensors"), *out.glob("shard-*.json"), out / "manifest.json", ident_path]:
+            f.unlink(missing_ok=True)
+    if not ident_path.is_file():
+        tmp = out / f".identity.json.tmp-{os.getpid()}"
+        write_json(tmp, identity)
+        try:
+            os.link(tmp, ident_path)  # fails if another process linked first
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    write_marker(out, "hidden_states")
+    if read_json(ident_path) != identity:
+        raise HiddenStateError(f"--output {out}: another extraction with other options started in it at the same "
+                               f"time; choose another --output")
+
+
 def _shard_done(out: Path, s: int) -> bool:
     return (out / f"{_shard_name(s)}.json").is_file() and (out / f"{_shard_name(s)}.safetensors").is_file()
 
@@ -252,10 +275,8 @@ def _write_shard(out: Path, s: int, results: list[dict], sample_index: list[int]
     else:
         tensors["last"] = last.contiguous()
     name = _shard_name(s)
-    tmp = out / f".{name}.safetensors.tmp-{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"format": FORMAT})
-    digest = sha256_file(tmp)
-    os.replace(tmp, out / f"{name}.safetensors")
+    save_tensors(tensors, out / f"{name}.safetensors", metadata={"format": FORMAT})
+    digest = sha256_file(out / f"{name}.safetensors")  # the shard counts as done only once its .json exists
     write_json(out / f"{name}.json", {"file": f"{name}.safetensors", "num_samples": len(lens),
                                       "num_tokens": int(offsets[-1]), "sha256": digest,
                                       "bytes": (out / f"{name}.safetensors").stat().st_size,

@@ -21,14 +21,16 @@ import numpy as np
 from tqdm import tqdm
 
 from ..config import PrepareConfig, config_to_dict
-from ..utils import atomic_dir, fingerprint, read_json, write_json
+from ..errors import DataError, UserError
+from ..outputs import check_replaceable, claim_dir, output_lock, replace_dir
+from ..utils import fingerprint, read_json, write_json
 from .sources import Skip, read_source, source_fingerprint
 from .template import TemplateError, segment_conversation, set_chat_template, template_info, tokenize_segments
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: duplicate conversations removed before the split
 
 
-class DatasetExistsError(FileExistsError):
+class DatasetExistsError(UserError, FileExistsError):
     """The output directory holds a different dataset."""
 
 
@@ -42,41 +44,71 @@ def _identity(cfg: PrepareConfig, tokenizer) -> dict:
     }
 
 
+def _legacy_dataset(path: Path) -> bool:
+    """A dataset written before output markers existed (its manifest carries an identity)."""
+    try:
+        return "identity" in read_json(path / "manifest.json")
+    except (OSError, ValueError):
+        return False
+
+
 def prepare(cfg: PrepareConfig, tokenizer=None) -> dict:
     """Run `prepare`; return the manifest. Reuses an identical finished dataset in `cfg.output`."""
+    out = Path(cfg.output)
+    claim_dir(out, "dataset", "--output", legacy=_legacy_dataset)  # before any work: a foreign dir is refused
     if tokenizer is None:
         from ..verifier import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.verifier)
     set_chat_template(tokenizer, cfg.chat_template)
-    if not 0.0 <= cfg.val_fraction < 1.0:
-        raise ValueError(f"--val-fraction must be in [0, 1), got {cfg.val_fraction}")
-    if cfg.seq_length < 2:
-        raise ValueError("--seq-length must be at least 2")
     info = template_info(tokenizer)
     identity = _identity(cfg, tokenizer)
-    out = Path(cfg.output)
-    if (out / "manifest.json").is_file():
-        old = read_json(out / "manifest.json")
-        if old.get("identity") == identity:
-            print(f"[prepare] {out} already holds this dataset ({old['num_samples']} samples); reusing it")
-            if cfg.preview:
-                preview(out, tokenizer, cfg.preview)
-            return old
-        if not cfg.overwrite:
-            raise DatasetExistsError(f"{out} holds a different dataset; pass --overwrite to replace it")
-    elif out.exists() and any(out.iterdir()) and not cfg.overwrite:
-        raise DatasetExistsError(f"{out} exists and is not a prepared dataset; pass --overwrite to replace it")
+    with output_lock(out, "--output"):  # a second prepare into the same directory is refused, not raced
+        old = _read_manifest(out)
+        if old is not None:
+            if old.get("identity") == identity:
+                print(f"[prepare] {out} already holds this dataset ({old['num_samples']} samples); reusing it")
+                if cfg.preview:
+                    preview(out, tokenizer, cfg.preview)
+                return old
+            if not cfg.overwrite:
+                raise DatasetExistsError(f"--output {out}: holds a different dataset (other sources or options); "
+                                         f"pass --overwrite to replace it, or choose another --output")
+        if out.is_dir():
+            check_replaceable(out, "dataset", "--output")
+        return _prepare(cfg, tokenizer, info, identity, out)
 
+
+def _read_manifest(out: Path) -> dict | None:
+    if not (out / "manifest.json").is_file():
+        return None
+    try:
+        return read_json(out / "manifest.json")
+    except ValueError:
+        return {}  # unreadable: a different dataset as far as reuse goes
+
+
+def conversation_key(messages: list[dict]) -> str:
+    """Content identity of a conversation (roles and texts), for removing duplicates before the split."""
+    return fingerprint([[m["role"], m["content"]] for m in messages])
+
+
+def _prepare(cfg: PrepareConfig, tokenizer, info, identity: dict, out: Path) -> dict:
     t0 = time.time()
     skipped: Counter = Counter()
     convs: list[dict] = []
+    seen: set[str] = set()
     for spec in cfg.data:
         for item in tqdm(read_source(spec), desc=f"read {spec}", unit=" conv", leave=False, disable=None):
             if isinstance(item, Skip):
                 skipped[item.reason] += 1
-            else:
-                convs.append(item)
+                continue
+            key = conversation_key(item["messages"])
+            if key in seen:  # the same conversation twice would land in both splits: kept once, counted
+                skipped["duplicate"] += 1
+                continue
+            seen.add(key)
+            convs.append(item)
     random.Random(cfg.seed).shuffle(convs)
 
     samples: list[tuple[str, list[int], list[int]]] = []
@@ -106,7 +138,7 @@ def prepare(cfg: PrepareConfig, tokenizer=None) -> dict:
                 bar.update(1)
     bar.close()
     if not samples:
-        raise ValueError(f"no usable samples in {cfg.data}; skipped: {dict(skipped)}")
+        raise DataError(f"--data {' '.join(cfg.data)}: no usable samples; skipped: {dict(skipped)}")
 
     n = len(samples)
     n_val = int(round(n * cfg.val_fraction)) if cfg.val_fraction > 0 else 0
@@ -133,7 +165,7 @@ def prepare(cfg: PrepareConfig, tokenizer=None) -> dict:
         "template": {"assistant_header": info.header, "end_of_turn": info.end_of_turn},
         "config": config_to_dict(cfg), "identity": identity, "seconds": round(time.time() - t0, 2),
     }
-    with atomic_dir(out, overwrite=True) as tmp:
+    with replace_dir(out, "dataset", "--output") as tmp:
         np.save(tmp / "input_ids.npy", input_ids)
         np.save(tmp / "loss_mask.npy", loss_mask)
         np.save(tmp / "offsets.npy", offsets)
@@ -156,7 +188,7 @@ class PreparedDataset:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not (self.path / "manifest.json").is_file():
-            raise FileNotFoundError(f"{self.path} is not a prepared dataset (no manifest.json); run `paradraft prepare`")
+            raise DataError(f"{self.path} is not a prepared dataset (no manifest.json); run `paradraft prepare`")
         self.manifest = read_json(self.path / "manifest.json")
         self.input_ids = np.load(self.path / "input_ids.npy", mmap_mode="r")
         self.loss_mask = np.load(self.path / "loss_mask.npy", mmap_mode="r")

@@ -20,32 +20,43 @@ import torch
 from tqdm import tqdm
 
 from ..config import RegenerateConfig
+from ..errors import UserError
+from ..outputs import OutputError, check_writable, output_lock
 from .sources import Skip, read_source
 
 
-class EndpointError(RuntimeError):
+class EndpointError(UserError, RuntimeError):
     """The OpenAI-compatible server refused or failed a request."""
 
 
+def _is_record(line: bytes) -> bool:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(rec, dict) and isinstance(rec.get("id"), str) and isinstance(rec.get("messages"), list)
+
+
 def done_ids(path: Path) -> set[str]:
-    """Ids already written; a torn last line from a killed run is cut off."""
+    """Ids already written. The file must be a regenerate output: complete lines that are {id, messages} records,
+    plus at most a torn last line (no newline) left by a killed run, which is cut off. Any other file is refused
+    (OutputError), never truncated."""
     if not path.is_file():
         return set()
-    ids, good_end = set(), 0
     with open(path, "rb") as fh:
         data = fh.read()
-    for line in data.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break
-        try:
-            ids.add(json.loads(line)["id"])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            break
-        good_end += len(line)
-    if good_end < len(data):
+    lines = data.splitlines(keepends=True)
+    complete = [ln for ln in lines if ln.endswith(b"\n")]
+    torn = lines[-1] if lines and not lines[-1].endswith(b"\n") else b""
+    bad = next((n for n, ln in enumerate(complete, 1) if ln.strip() and not _is_record(ln)), None)
+    if bad is not None or (torn and not complete):
+        raise OutputError(f"--output {path}: exists and is not a regenerate output (line {bad or 1} is not an "
+                          f"{{id, messages}} record); paradraft appends only to its own output: choose another "
+                          f"--output")
+    if torn:
         with open(path, "r+b") as fh:
-            fh.truncate(good_end)
-    return ids
+            fh.truncate(len(data) - len(torn))
+    return {json.loads(ln)["id"] for ln in complete if ln.strip()}
 
 
 def chat_endpoint(url: str, model: str, messages: list[dict], cfg: RegenerateConfig) -> tuple[str, bool]:
@@ -101,7 +112,12 @@ class LocalGenerator:
 def regenerate(cfg: RegenerateConfig, generator=None) -> dict:
     """Run `regenerate`; returns counts."""
     out = Path(cfg.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(out, "--output", is_dir=False)
+    with output_lock(out, "--output"):  # two regenerate runs appending to one file would interleave
+        return _regenerate(cfg, out, generator)
+
+
+def _regenerate(cfg: RegenerateConfig, out: Path, generator) -> dict:
     finished = done_ids(out)
     skipped: dict[str, int] = {}
     convs = []

@@ -9,9 +9,12 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..errors import UserError
 
 BUILTIN_SOURCES = ("sharegpt", "humaneval", "chitchat")
 
@@ -23,7 +26,7 @@ ROLE_ALIASES = {
 }
 
 
-class SourceError(ValueError):
+class SourceError(UserError, ValueError):
     """A data source that cannot be read at all (missing file, unknown name)."""
 
 
@@ -45,6 +48,11 @@ def _package_file(package: str, *parts: str, pip_name: str) -> Path:
     return path
 
 
+# Files are read with errors="surrogateescape": a byte that is not UTF-8 becomes a lone surrogate, which no valid
+# text contains, so the record holding it is skipped and counted instead of silently becoming U+FFFD.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def normalize(record, source: str, fallback_id: str) -> dict | Skip:
     """One raw record (ShareGPT `conversations` or OpenAI `messages`) -> conversation or Skip."""
     if not isinstance(record, dict):
@@ -59,6 +67,8 @@ def normalize(record, source: str, fallback_id: str) -> dict | Skip:
     for m in raw:
         if not isinstance(m, dict) or not isinstance(m.get(role_key), str) or not isinstance(m.get(content_key), str):
             return Skip("malformed_record", source)
+        if _SURROGATE.search(m[content_key]) or _SURROGATE.search(m[role_key]):
+            return Skip("undecodable", source)  # bytes that are not UTF-8 (or lone surrogates): never trained
         role = ROLE_ALIASES.get(m[role_key].strip().lower())
         if role is None:
             return Skip("unknown_role", source)
@@ -86,7 +96,7 @@ def _stream_json_array(path: Path, chunk_chars: int = 1 << 22) -> Iterator[objec
     Yields `Skip("truncated_record")` once if the file ends in the middle of an element.
     """
     dec = json.JSONDecoder()
-    with open(path, encoding="utf-8", errors="replace") as fh:
+    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
         buf, pos, eof = "", 0, False
         started = False
         while True:
@@ -124,13 +134,13 @@ def _stream_json_array(path: Path, chunk_chars: int = 1 << 22) -> Iterator[objec
 
 def read_json_file(path: Path, source: str) -> Iterator[dict | Skip]:
     """ShareGPT JSON array, or JSONL of ShareGPT / OpenAI-messages records."""
-    with open(path, encoding="utf-8", errors="replace") as fh:
+    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
         head = fh.read(4096).lstrip()
     if head.startswith("["):
         for i, rec in enumerate(_stream_json_array(path)):
             yield Skip(rec.reason, source) if isinstance(rec, Skip) else normalize(rec, source, str(i))
         return
-    with open(path, encoding="utf-8", errors="replace") as fh:
+    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
         for i, line in enumerate(fh):
             if not line.strip():
                 continue

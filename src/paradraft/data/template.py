@@ -14,11 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import UserError
+
 PROBE_USER = "Probe question 7f3a?"
 PROBE_ANSWER = "Probe answer 9c1e."
 
 
-class TemplateError(ValueError):
+class TemplateError(UserError, ValueError):
     """A tokenizer whose chat template cannot be used to find assistant turns."""
 
 

@@ -11,14 +11,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..config import VocabConfig
-from ..utils import write_json
+from ..errors import UserError
+from ..outputs import OutputError, check_writable
+from ..utils import read_json, save_tensors, write_json
 from .template import special_token_strings
 
 
-class VocabError(ValueError):
+class VocabError(UserError, ValueError):
     """A draft vocabulary that cannot be built or does not fit."""
 
 
@@ -80,20 +82,36 @@ def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
 
 
 def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, meta: dict | None = None) -> None:
-    """Write d2t/t2d to a safetensors file (and a small JSON beside it)."""
+    """Write d2t/t2d to a safetensors file (and a small JSON summary beside it, `NAME.json`), atomically."""
     path = Path(path)
+    side = path.with_suffix(".json")
+    check_writable(path, "--output", is_dir=False)
+    if side.exists() and not _is_vocab_summary(side):
+        raise OutputError(f"--output {path}: {side} exists and is not a vocabulary summary paradraft wrote; "
+                          f"choose another --output")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(tmp),
-              metadata={k: str(v) for k, v in (meta or {}).items()})
-    tmp.replace(path)
-    write_json(path.with_suffix(".json"), {"draft_vocab_size": len(d2t), "target_vocab_size": len(t2d), **(meta or {})})
+    save_tensors({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, path,
+                 metadata={k: str(v) for k, v in (meta or {}).items()})
+    write_json(side, {"draft_vocab_size": len(d2t), "target_vocab_size": len(t2d), **(meta or {})})
+
+
+def _is_vocab_summary(path: Path) -> bool:
+    try:
+        d = read_json(path)
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and "draft_vocab_size" in d and "target_vocab_size" in d
 
 
 def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) from a vocab file, checked for consistency."""
-    t = load_file(str(path))
-    d2t, t2d = t["d2t"].long(), t["t2d"].bool()
+    try:
+        t = load_file(str(path))
+        d2t, t2d = t["d2t"].long(), t["t2d"].bool()
+    except FileNotFoundError:
+        raise VocabError(f"--vocab {path}: no such file") from None
+    except Exception as e:  # SafetensorError, a missing tensor
+        raise VocabError(f"--vocab {path}: not a draft vocabulary file ({type(e).__name__}: {e})") from None
     ids = draft_to_target_ids(d2t)
     if ids.min() < 0 or ids.max() >= len(t2d) or not bool(t2d[ids].all()) or int(t2d.sum()) != len(d2t):
         raise VocabError(f"{path}: d2t and t2d disagree (a stale or corrupt vocabulary file)")
@@ -105,6 +123,7 @@ def vocab(cfg: VocabConfig) -> tuple[torch.Tensor, torch.Tensor]:
     from ..verifier import load_tokenizer
     from .prepare import PreparedDataset
 
+    check_writable(cfg.output, "--output", is_dir=False)
     sets = [PreparedDataset(p) for p in cfg.data]
     verifier = cfg.verifier or sets[0].manifest["verifier"]
     tok = load_tokenizer(verifier)

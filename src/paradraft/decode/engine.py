@@ -15,11 +15,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import UserError
 from ..models.common import DraftCache
 from .runner import VerifierRunner
 from .sampling import process_logits, sample
 from .verify import greedy_accept, rejection_accept
 
+
+class GenerationError(UserError, ValueError):
+    """A generation request the engine cannot serve (too long for the cache, more drafts than trained)."""
 
 @dataclass
 class GenerationConfig:
@@ -106,6 +110,10 @@ class Engine:
     def generate(self, prompts: list[list[int]], g: GenerationConfig, on_tokens=None) -> list[Result]:
         """Generate for a batch of tokenized prompts. on_tokens(row, new_ids) streams accepted tokens."""
         t_start = time.perf_counter()
+        depths = getattr(getattr(self.drafter, "cfg", None), "num_depths", None)
+        if depths is not None and g.num_speculative_tokens > depths:
+            raise GenerationError(f"--num-speculative-tokens {g.num_speculative_tokens}: this P-EAGLE drafter was "
+                                  f"trained on {depths} depths; draft at most {depths}")
         gen = torch.Generator().manual_seed(g.seed)
         B = len(prompts)
         dev = self.runner.device
@@ -116,8 +124,8 @@ class Engine:
         pending = torch.zeros(B, dtype=torch.long)
         for b, p in enumerate(prompts):  # prefill row by row (ragged prompts)
             if len(p) + g.max_new_tokens + g.num_speculative_tokens + 1 > self.runner.max_len:
-                raise ValueError(f"prompt {b} of {len(p)} tokens + {g.max_new_tokens} new exceeds max_len "
-                                 f"{self.runner.max_len}")
+                raise GenerationError(f"prompt {b} of {len(p)} tokens + {g.max_new_tokens} new tokens exceeds the "
+                                      f"KV cache ({self.runner.max_len} tokens, --max-len)")
             logits, aux = self.runner.forward(torch.tensor([p], device=dev), rows=torch.tensor([b], device=dev))
             probs = process_logits(logits[0, -1], g.temperature, g.top_p, g.top_k)
             x = int(probs.argmax()) if g.temperature <= 0 else int(sample(probs, gen))

@@ -10,17 +10,23 @@ from pathlib import Path
 import torch
 
 from ..config import GenerateConfig
+from ..errors import UserError
+from ..outputs import check_writable
+from ..utils import write_text_atomic
 from .engine import Engine, GenerationConfig
 
 
-class PromptError(ValueError):
+class PromptError(UserError, ValueError):
     """A prompts file that cannot be used."""
 
 
 def read_prompts(path: str | Path) -> list[dict]:
     """Prompts JSONL: one object per line with `id` and either `prompt` (a user turn) or `messages`."""
     out = []
-    with open(path, encoding="utf-8") as fh:
+    path = Path(path)
+    if not path.is_file():
+        raise PromptError(f"--prompts {path}: no such file")
+    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue
@@ -77,8 +83,8 @@ def load_engine(verifier_name: str, drafter: str | None, dtype: str, force: bool
 @torch.inference_mode()  # scoped, not a global switch
 def generate(cfg: GenerateConfig) -> list[dict]:
     """Run `paradraft generate`."""
-    if (cfg.prompt is None) == (cfg.prompts is None):
-        raise PromptError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
+    if cfg.output:  # fail before generating, not after
+        check_writable(cfg.output, "--output", is_dir=False)
     recs = [{"id": "0", "prompt": cfg.prompt}] if cfg.prompt is not None else read_prompts(cfg.prompts)
     engine, tok = load_engine(cfg.verifier, cfg.drafter, cfg.dtype, cfg.force, cfg.max_len)
     eos = stop_token_ids(tok)
@@ -107,10 +113,7 @@ def generate(cfg: GenerateConfig) -> list[dict]:
                             "num_new_tokens": len(o.token_ids), "num_verifier_passes": o.num_verifier_passes,
                             "accepted_per_pass": o.accepted_per_pass, "time_s": round(dt, 4)})
     if cfg.output:
-        Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
-        with open(cfg.output, "w", encoding="utf-8") as fh:
-            for r in results:
-                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+        write_text_atomic(cfg.output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
     n_tok = sum(r["num_new_tokens"] for r in results)
     passes = sum(r["num_verifier_passes"] for r in results)
     secs = sum(r["time_s"] for r in results[:: max(1, cfg.batch_size)])

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from ..config import ExportConfig
-from ..models.checkpoint import CheckpointError, load_drafter, save_drafter
+from ..models.checkpoint import CheckpointError, legacy_drafter, load_drafter, save_drafter
+from ..outputs import claim_dir
 
 
 def speculative_config(drafter_dir: str, algorithm: str, k: int) -> dict:
@@ -30,8 +31,9 @@ def export(cfg: ExportConfig) -> Path:
     """Run `paradraft export`; returns the output directory."""
     from ..verifier import load_verifier, resolve_verifier
 
-    if not cfg.drafter or not cfg.output:
-        raise CheckpointError("usage: paradraft export DRAFTER --output OUT")
+    claim_dir(cfg.output, "drafter", "--output", legacy=legacy_drafter)  # before any work
+    if Path(cfg.output).resolve() == Path(cfg.drafter).resolve():
+        raise CheckpointError(f"--output {cfg.output} is the drafter being exported; choose another --output")
     probe = load_drafter(cfg.drafter, verifier=None, allow_missing_embeddings=True)
     verifier_name = cfg.verifier or probe.cfg.verifier
     if not verifier_name:
@@ -41,6 +43,11 @@ def export(cfg: ExportConfig) -> Path:
     drafter.cfg.verifier = resolve_verifier(verifier_name)  # a path or id vLLM can open
     drafter.cfg.verifier_architectures = list(model.config.architectures or [])
     if cfg.num_speculative_tokens:
+        depths = drafter.cfg.num_depths
+        if drafter.cfg.algorithm == "peagle" and depths is not None and cfg.num_speculative_tokens > depths:
+            raise CheckpointError(f"--num-speculative-tokens {cfg.num_speculative_tokens}: the P-EAGLE drafter was "
+                                  f"trained on {depths} depths, so vLLM would draft untrained positions; at most "
+                                  f"{depths}")
         drafter.cfg.num_speculative_tokens = cfg.num_speculative_tokens
     out = save_drafter(drafter, cfg.output, dtype=getattr(torch, cfg.dtype),
                        extra_provenance={"exported_from": str(Path(cfg.drafter).resolve())})

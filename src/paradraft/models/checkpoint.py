@@ -13,6 +13,7 @@ P-EAGLE drafter's trained mask row lives there, and vLLM would otherwise share t
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import subprocess
@@ -20,15 +21,17 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from ..utils import atomic_dir, read_json, write_json
+from ..errors import UserError
+from ..outputs import claim_dir, output_lock, replace_dir
+from ..utils import read_json, save_tensors, write_json
 from .common import DraftConfig, DraftModel
 
 ARCHITECTURES = {"peagle": "PEagleSpeculator", "eagle3": "Eagle3Speculator"}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be read, or does not fit the verifier."""
 
 
@@ -110,29 +113,83 @@ def drafter_state_dict(model: DraftModel, dtype: torch.dtype | None = None,
     return out
 
 
-def save_drafter(model: DraftModel, path: str | Path, extra_provenance: dict | None = None,
-                 dtype: torch.dtype | None = None, state_dict: dict | None = None) -> Path:
-    """Write config.json + model.safetensors + provenance.json atomically into `path`."""
-    path = Path(path)
+def write_drafter(model: DraftModel, directory: str | Path, extra_provenance: dict | None = None,
+                  dtype: torch.dtype | None = None, state_dict: dict | None = None) -> None:
+    """Write config.json + model.safetensors + provenance.json into an existing directory (config.json last)."""
+    directory = Path(directory)
     cfg = speculators_config(model.cfg)
     if dtype is not None:
         cfg["torch_dtype"] = str(dtype).replace("torch.", "")
-    with atomic_dir(path, overwrite=True) as tmp:
-        save_file(drafter_state_dict(model, dtype, state_dict), str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        write_json(tmp / "provenance.json", provenance(extra_provenance))
-        write_json(tmp / "config.json", cfg)
+    save_tensors(drafter_state_dict(model, dtype, state_dict), directory / "model.safetensors",
+                 metadata={"format": "pt"})
+    write_json(directory / "provenance.json", provenance(extra_provenance))
+    write_json(directory / "config.json", cfg)
+
+
+def legacy_drafter(path: Path) -> bool:
+    """A drafter paradraft wrote before output markers existed (its provenance names paradraft)."""
+    try:
+        return "paradraft" in read_json(path / "provenance.json")
+    except (OSError, ValueError):
+        return False
+
+
+def save_drafter(model: DraftModel, path: str | Path, extra_provenance: dict | None = None,
+                 dtype: torch.dtype | None = None, state_dict: dict | None = None, flag: str = "--output") -> Path:
+    """Write a drafter checkpoint to `path` in one rename. `path` must be new, empty, or a drafter paradraft wrote
+    (holding nothing else); anything else is refused naming `flag`."""
+    path = Path(path)
+    claim_dir(path, "drafter", flag, legacy=legacy_drafter)
+    with output_lock(path, flag), replace_dir(path, "drafter", flag) as tmp:
+        write_drafter(model, tmp, extra_provenance, dtype, state_dict)
     return path
 
 
+# DraftConfig fields that config.json also states at the top level, where vLLM reads them
+TOP_LEVEL_FIELDS = ("algorithm", "flavour", "hidden_size", "intermediate_size", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "num_layers", "rms_norm_eps", "max_position_embeddings",
+                    "vocab_size", "draft_vocab_size", "aux_layer_ids", "verifier_hidden", "norm_before_residual",
+                    "mask_token_id", "num_speculative_tokens", "verifier")
+
+
 def config_from_speculators(cfg_json: dict) -> DraftConfig:
-    """DraftConfig from a speculators-format config.json (ours or another tool's)."""
-    if "paradraft" in cfg_json:
-        return DraftConfig(**cfg_json["paradraft"])
+    """DraftConfig from a speculators-format config.json (ours or another tool's).
+
+    The top-level keys are what vLLM serves, so they are what paradraft runs. paradraft's own section
+    ("paradraft") adds what the top level does not state (e.g. the P-EAGLE depths trained); where both state a
+    value they must agree, or the checkpoint is refused naming every key that differs.
+    """
+    cfg = _top_level_config(cfg_json)
+    if "paradraft" not in cfg_json:
+        return cfg
+    section = cfg_json["paradraft"]
+    if not isinstance(section, dict):
+        raise CheckpointError("config.json: the 'paradraft' section is not a mapping")
+    names = {f.name for f in dataclasses.fields(DraftConfig)}
+    unknown = sorted(set(section) - names)
+    if unknown:
+        raise CheckpointError(f"config.json: unknown keys in the 'paradraft' section: {', '.join(unknown)} "
+                              f"(written by a newer paradraft?)")
+    own = DraftConfig(**section)
+    differ = [f"{k} (top level {getattr(cfg, k)!r}, paradraft section {getattr(own, k)!r})"
+              for k in TOP_LEVEL_FIELDS if getattr(cfg, k) != getattr(own, k)]
+    if differ:
+        raise CheckpointError("config.json: the keys vLLM reads disagree with paradraft's own section: "
+                              + "; ".join(differ) + "; make them equal (vLLM serves the top-level values)")
+    own.verifier_architectures = cfg.verifier_architectures or own.verifier_architectures
+    return own
+
+
+def _top_level_config(cfg_json: dict) -> DraftConfig:
     algo = cfg_json.get("speculators_model_type")
     if algo not in ARCHITECTURES:
-        raise CheckpointError(f"speculators_model_type {algo!r} is not one of {sorted(ARCHITECTURES)}")
-    layer = cfg_json.get("transformer_layer_config") or {}
+        raise CheckpointError(f"config.json: speculators_model_type {algo!r} is not one of {sorted(ARCHITECTURES)}")
+    layer = cfg_json.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise CheckpointError("config.json: transformer_layer_config is missing")
+    missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if k not in layer]
+    if missing:
+        raise CheckpointError(f"config.json: transformer_layer_config lacks {', '.join(missing)}")
     spec = cfg_json.get("speculators_config") or {}
     methods = spec.get("proposal_methods") or [{}]
     H = layer["hidden_size"]
@@ -142,6 +199,7 @@ def config_from_speculators(cfg_json: dict) -> DraftConfig:
         rope = {**layer["rope_scaling"], "rope_theta": layer.get("rope_theta", 10000.0)}
         rope["rope_type"] = rope.get("rope_type") or rope.get("type", "default")
     ids = cfg_json.get("eagle_aux_hidden_state_layer_ids")
+    target_hidden = cfg_json.get("target_hidden_size")
     return DraftConfig(
         algorithm=algo, flavour="qwen3" if layer.get("model_type") == "qwen3" else "llama", hidden_size=H,
         intermediate_size=layer["intermediate_size"], num_attention_heads=heads,
@@ -149,7 +207,8 @@ def config_from_speculators(cfg_json: dict) -> DraftConfig:
         num_layers=layer.get("num_hidden_layers", 1), rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
         rope_parameters=dict(rope), max_position_embeddings=layer.get("max_position_embeddings", 8192),
         vocab_size=layer["vocab_size"], draft_vocab_size=cfg_json.get("draft_vocab_size") or layer["vocab_size"],
-        aux_layer_ids=list(ids) if ids else [], target_hidden_size=cfg_json.get("target_hidden_size"),
+        aux_layer_ids=list(ids) if ids else [],
+        target_hidden_size=target_hidden if target_hidden not in (None, H) else None,
         norm_before_residual=cfg_json.get("norm_before_residual", algo == "eagle3"),
         mask_token_id=cfg_json.get("mask_token_id"),
         num_speculative_tokens=methods[0].get("speculative_tokens", 7),
@@ -184,9 +243,17 @@ def _is_original_eagle3(cfg_json: dict, keys) -> bool:
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     if (path / "model.safetensors").is_file():
-        return load_file(str(path / "model.safetensors"))
+        f = path / "model.safetensors"
+        try:
+            return load_file(str(f))
+        except Exception as e:  # SafetensorError: truncated or not safetensors at all
+            raise CheckpointError(f"{f} cannot be read ({e}); the file is truncated or corrupt") from None
     if (path / "pytorch_model.bin").is_file():  # the original EAGLE-3 releases
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        f = path / "pytorch_model.bin"
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # UnpicklingError, EOFError, RuntimeError: not a torch state dict
+            raise CheckpointError(f"{f} cannot be read as a state dict ({type(e).__name__}); it is corrupt") from None
     raise CheckpointError(f"{path} is not a drafter checkpoint (needs config.json and model.safetensors)")
 
 
@@ -195,17 +262,28 @@ def load_drafter(path: str | Path, verifier=None, verifier_name: str | None = No
     """Load a drafter (paradraft / speculators format, or the original EAGLE-3 layout).
 
     With `verifier` given, check it fits (and take the verifier's embeddings if the checkpoint has none).
+    Anything unreadable or inconsistent is a CheckpointError naming the file.
     """
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} is not a drafter checkpoint (needs config.json and model.safetensors)")
-    cfg_json = read_json(path / "config.json")
+    try:
+        cfg_json = read_json(path / "config.json")
+    except ValueError as e:
+        raise CheckpointError(f"{path / 'config.json'} is not valid JSON ({e})") from None
+    if not isinstance(cfg_json, dict):
+        raise CheckpointError(f"{path / 'config.json'} does not hold a JSON object")
     sd = _read_weights(path)
-    if _is_original_eagle3(cfg_json, sd.keys()):
-        cfg = config_from_original_eagle3(cfg_json)
-        sd = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in sd.items()}
-    else:
-        cfg = config_from_speculators(cfg_json)
+    try:
+        if _is_original_eagle3(cfg_json, sd.keys()):
+            cfg = config_from_original_eagle3(cfg_json)
+            sd = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in sd.items()}
+        else:
+            cfg = config_from_speculators(cfg_json)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path / 'config.json'}: missing or malformed key ({type(e).__name__}: {e})") from None
     if verifier is not None:
         check_compatible(cfg, verifier.config, verifier_name, force)
         if not cfg.aux_layer_ids:
@@ -222,13 +300,19 @@ def load_drafter(path: str | Path, verifier=None, verifier_name: str | None = No
             raise CheckpointError(f"{path} has no embed_tokens.weight; load it with its verifier")
     sd = {k: v for k, v in sd.items() if not k.startswith("rotary.")}
     if cfg.algorithm == "peagle":
+        if cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < cfg.vocab_size or "mask_hidden" not in sd:
+            raise CheckpointError(f"{path}: a P-EAGLE checkpoint needs mask_token_id (in the vocabulary) and "
+                                  f"mask_hidden")
         sd["mask_embedding"] = sd["embed_tokens.weight"][cfg.mask_token_id].clone()
         if sd["mask_hidden"].dim() == 3:
             sd["mask_hidden"] = sd["mask_hidden"].reshape(1, -1)
     if cfg.draft_vocab_size == cfg.vocab_size:
         sd.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         sd.setdefault("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
-    missing, unexpected = model.load_state_dict({k: v for k, v in sd.items()}, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict({k: v for k, v in sd.items()}, strict=False)
+    except RuntimeError as e:  # shape mismatches: weights of another architecture than config.json states
+        raise CheckpointError(f"{path}: weights do not match config.json: {str(e).splitlines()[-1].strip()}") from None
     missing = [m for m in missing if not m.startswith("rotary.")]
     if missing or unexpected:
         raise CheckpointError(f"{path}: weights do not match the config: missing {missing}, unexpected {unexpected}")

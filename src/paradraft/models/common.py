@@ -49,6 +49,7 @@ class DraftConfig:
     norm_before_residual: bool = False
     mask_token_id: int | None = None  # P-EAGLE
     num_speculative_tokens: int = 7
+    num_depths: int | None = None  # P-EAGLE: prediction depths trained (K may not exceed it); None = not recorded
     verifier: str = ""  # name_or_path vLLM opens
     verifier_architectures: list[str] = field(default_factory=list)
     tie_word_embeddings: bool = False

@@ -12,31 +12,35 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
-from ..config import TrainConfig, config_to_dict
+from ..config import RESUME_MAY_CHANGE, TrainConfig, config_to_dict
 from ..data.prepare import PreparedDataset
 from ..data.vocab import build_vocab, draft_to_target_ids, load_vocab, template_special_ids
-from ..models.checkpoint import build_drafter, save_drafter
+from ..models.checkpoint import build_drafter, write_drafter
 from ..models.common import DraftConfig
 from ..models.loss import acceptance_estimate
 from ..models.peagle import choose_mask_token_id
-from ..utils import json_safe, read_json, write_json
+from ..errors import UserError
+from ..outputs import claim_dir, output_lock, write_marker
+from ..utils import fingerprint, json_safe, read_json, save_tensors, write_json, write_text_atomic
 from .data import OfflineSource, OnlineSource, TargetHead, epoch_plan
 from .distributed import full_state_dict, load_full_state_dict
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """Training cannot go on (non-finite loss, bad inputs)."""
 
 
@@ -46,6 +50,65 @@ def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
         return (step + 1) / max(1, cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+TRAIN_OUTPUTS = ("config.json", "model.safetensors", "provenance.json", "metrics.jsonl", "training.png",
+                 "final_metrics.json", "train_config.yaml", "tensorboard", "checkpoints")
+
+
+def _has_run(out: Path) -> bool:
+    return out.is_dir() and any((out / f).exists() for f in TRAIN_OUTPUTS)
+
+
+def checkpoints_in(out: Path) -> list[Path]:
+    """Step checkpoints of a run directory, oldest first."""
+    return sorted((out / "checkpoints").glob("step-*")) if (out / "checkpoints").is_dir() else []
+
+
+def resume_problems(state: dict, cfg: TrainConfig, data_identity: str) -> list[str]:
+    """Why a checkpoint's run cannot be continued with `cfg` (empty: it can). Only the flags in
+    RESUME_MAY_CHANGE may differ; the data must be the same dataset."""
+    saved = dict(state.get("config") or {})
+    want = config_to_dict(cfg)
+    problems = [f"--{k.replace('_', '-')} {want.get(k)!r} (the checkpoint has {saved.get(k)!r})"
+                for k in sorted(set(saved) | set(want)) if k not in RESUME_MAY_CHANGE and saved.get(k) != want.get(k)
+                and k in want]
+    if state.get("data_identity") not in (None, data_identity):
+        problems.append(f"--data {cfg.data} is another dataset than the one the run was trained on")
+    return problems
+
+
+def check_run_dir(out: Path, cfg: TrainConfig, data_identity: str) -> None:
+    """What train may do with --output, decided before any work: start in a new or empty directory, continue
+    (--resume) a run whose flags match, or replace (--overwrite) a run it wrote. Anything else is refused."""
+    if cfg.resume:
+        found = checkpoints_in(out)
+        if not found:
+            if _has_run(out):
+                raise TrainingError(f"--resume: {out} holds no checkpoint to continue from (a finished drafter or "
+                                    f"metrics only); pass --overwrite to train anew there, or choose another --output")
+            return
+        try:
+            state = read_json(found[-1] / "state.json")
+        except (OSError, ValueError):
+            return  # unreadable: load_checkpoint falls back to an older one and checks that
+        problems = resume_problems(state, cfg, data_identity)
+        if problems:
+            raise TrainingError(f"--resume: these flags differ from the run in {out}: " + "; ".join(problems)
+                                + "; use the run's flags, or --overwrite to start it anew")
+    elif _has_run(out) and not cfg.overwrite:
+        raise TrainingError(f"--output {out} holds a training run; pass --resume to continue it, --overwrite to "
+                            f"replace it, or choose another --output")
+
+
+def remove_run(out: Path) -> None:
+    """Delete what train wrote in `out` (its own files only; anything else there stays)."""
+    for name in TRAIN_OUTPUTS:
+        p = out / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
 
 
 class Distributed:
@@ -99,9 +162,12 @@ class Trainer:
             torch.cuda.set_device(device)
         self.device = device
         self.out = Path(cfg.output)
-        if cfg.hidden_states is None and not cfg.online:
-            raise TrainingError("give --hidden-states DIR (offline) or --online")
+        # before any work: --output must be new, empty or a training run of ours, and say what happens to it
+        claim_dir(self.out, "train_run", "--output", legacy=lambda p: (p / "train_config.yaml").is_file())
         self.ds = PreparedDataset(cfg.data)
+        self.data_identity = fingerprint(self.ds.manifest.get("identity") or self.ds.manifest)
+        if self.dist.main:
+            check_run_dir(self.out, cfg, self.data_identity)
         self.verifier_name = cfg.verifier or self.ds.manifest["verifier"]
         if verifier is None:
             from ..verifier import load_verifier
@@ -117,9 +183,13 @@ class Trainer:
             self.source = OnlineSource(verifier, self.ds, None, device, pad)
         else:
             self.source = OfflineSource(cfg.hidden_states)
-            if self.source.hs.manifest.get("verifier") not in (self.verifier_name, None):
-                raise TrainingError(f"{cfg.hidden_states} was extracted with verifier "
-                                    f"{self.source.hs.manifest.get('verifier')!r}, not {self.verifier_name!r}")
+            hs = self.source.hs.manifest
+            if hs.get("verifier") not in (self.verifier_name, None):
+                raise TrainingError(f"--hidden-states {cfg.hidden_states} was extracted with verifier "
+                                    f"{hs.get('verifier')!r}, not {self.verifier_name!r}")
+            if "data_identity" in hs and hs["data_identity"] != self.ds.manifest.get("identity"):
+                raise TrainingError(f"--hidden-states {cfg.hidden_states} was extracted from another dataset than "
+                                    f"--data {cfg.data} (extracted from {hs.get('data')}); extract from this one")
         self.train_idx = self.source.available(self.ds.indices("train"))
         self.val_idx = self.source.available(self.ds.indices("val"))[: cfg.val_samples]
         if len(self.train_idx) == 0:
@@ -148,6 +218,7 @@ class Trainer:
         dcfg = DraftConfig.from_verifier(
             verifier.config, algorithm=cfg.algorithm, num_layers=cfg.num_layers, draft_vocab_size=len(d2t),
             mask_token_id=mask_id, num_speculative_tokens=cfg.num_speculative_tokens,
+            num_depths=cfg.num_depths if cfg.algorithm == "peagle" else None,
             aux_layer_ids=list(self.source.layer_ids), verifier=resolve_verifier(self.verifier_name))
         self.model = build_drafter(dcfg)
         self.model.init_from_verifier(verifier, d2t, t2d, norm=cfg.init_norm == "verifier")
@@ -205,9 +276,10 @@ class Trainer:
         if self.dist.main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            save_file(sd, str(tmp / "model.safetensors"))
+            save_tensors(sd, tmp / "model.safetensors")
             write_json(tmp / "state.json", {"step": self.step, "epoch": self.epoch, "pack_pos": self.pack_pos,
-                                            "world_size": self.dist.world, "config": config_to_dict(self.cfg)})
+                                            "world_size": self.dist.world, "config": config_to_dict(self.cfg),
+                                            "data_identity": self.data_identity})
         self.dist.barrier()
         # FSDP optimizer state is sharded: each rank keeps its own shard (resume with the same world size)
         if self.cfg.fsdp and self.dist.enabled:
@@ -225,21 +297,65 @@ class Trainer:
         return path
 
     def latest_checkpoint(self) -> Path | None:
-        found = sorted(self.ckpt_dir.glob("step-*"))
+        found = checkpoints_in(self.out)
         return found[-1] if found else None
 
     def load_checkpoint(self, path: Path) -> None:
-        sd = load_file(str(path / "model.safetensors"))
-        st = read_json(path / "state.json")
+        """Restore the full training state from `path`; TrainingError naming the file if any part is unreadable."""
+        try:
+            st = read_json(path / "state.json")
+            sd = load_file(str(path / "model.safetensors"))
+        except Exception as e:  # OSError, JSON errors, SafetensorError (truncated file)
+            raise TrainingError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from None
+        problems = resume_problems(st, self.cfg, self.data_identity)
+        if problems:
+            raise TrainingError(f"--resume: these flags differ from the run in {self.out}: " + "; ".join(problems))
         if st.get("world_size", 1) != self.dist.world and self.cfg.fsdp:
             raise TrainingError(f"{path} was written by {st.get('world_size')} FSDP ranks; resume with as many")
-        load_full_state_dict(self.model, {k: v.to(self.device) for k, v in sd.items()})
         opt_file = path / (f"optimizer-{self.dist.rank}.pt" if self.cfg.fsdp and self.dist.enabled else "optimizer.pt")
-        self.opt.load_state_dict(torch.load(opt_file, weights_only=False)["opt"])
-        self.step, self.epoch, self.pack_pos = st["step"], st["epoch"], st["pack_pos"]
         rng = path / f"rng-{self.dist.rank}.pt"
-        if rng.is_file():
-            _set_rng_state(torch.load(rng, weights_only=False), self.gen)
+        try:
+            opt_state = torch.load(opt_file, weights_only=False)["opt"]
+            rng_state = torch.load(rng, weights_only=False) if rng.is_file() else None
+            load_full_state_dict(self.model, {k: v.to(self.device) for k, v in sd.items()})
+        except (OSError, EOFError, KeyError, RuntimeError, pickle.UnpicklingError) as e:
+            raise TrainingError(f"checkpoint {path} cannot be restored ({type(e).__name__}: {e})") from None
+        self.opt.load_state_dict(opt_state)
+        self.step, self.epoch, self.pack_pos = st["step"], st["epoch"], st["pack_pos"]
+        if rng_state is not None:
+            _set_rng_state(rng_state, self.gen)
+
+    def resume(self) -> None:
+        """Continue from the newest readable checkpoint; a damaged one (a kill mid-write on another filesystem,
+        a truncated copy) is reported and the one before it is used."""
+        found = checkpoints_in(self.out)
+        if not found:
+            print(f"[train] --resume: no checkpoint in {self.ckpt_dir}; starting fresh")
+            return
+        for path in reversed(found):
+            try:
+                self.load_checkpoint(path)
+            except TrainingError as e:
+                if "flags differ" in str(e):
+                    raise
+                print(f"[train] {e}; trying the checkpoint before it")
+                continue
+            print(f"[train] resumed from {path} (step {self.step})")
+            return
+        raise TrainingError(f"--resume: no checkpoint in {self.ckpt_dir} can be read; --overwrite starts anew")
+
+    def _trim_metrics(self, metrics_path: Path) -> None:
+        """After a resume, drop metric lines past the restored step (a killed run logged steps it never saved)."""
+        if not metrics_path.is_file():
+            return
+        keep = []
+        for line in metrics_path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line)["step"] <= self.step:
+                    keep.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line
+        write_text_atomic(metrics_path, "".join(x + "\n" for x in keep))
 
     # ------------------------------------------------------------------------------------------ loop
 
@@ -252,22 +368,32 @@ class Trainer:
     def train(self) -> dict:
         """Run training to the end (or to a signal); returns the final metrics."""
         cfg = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
-        if cfg.resume:
-            last = self.latest_checkpoint()
-            if last is None:
-                print(f"[train] --resume: no checkpoint in {self.ckpt_dir}; starting fresh")
-            else:
-                self.load_checkpoint(last)
-                print(f"[train] resumed from {last} (step {self.step})")
-        elif self.latest_checkpoint() is not None:  # every rank refuses (no rank left waiting at a barrier)
-            raise TrainingError(f"{self.out} already holds checkpoints; pass --resume to continue, or another --output")
-        if self.dist.main:
-            (self.out / "train_config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-        total = self.total_steps()
+        if not self.dist.main:
+            return self._train()
+        with output_lock(self.out, "--output"):  # one writer per run directory (rank 0 of a torchrun job)
+            return self._train()
+
+    def _train(self) -> dict:
+        cfg = self.cfg
         metrics_path = self.out / "metrics.jsonl"
-        if self.dist.main and not cfg.resume and metrics_path.exists():
-            metrics_path.unlink()
+        if self.dist.main:
+            if cfg.overwrite:
+                remove_run(self.out)  # train's own files only
+            self.out.mkdir(parents=True, exist_ok=True)
+            write_marker(self.out, "train_run")
+        self.dist.barrier()
+        if cfg.resume:
+            self.resume()
+        elif self.latest_checkpoint() is not None:  # every rank refuses (no rank left waiting at a barrier)
+            raise TrainingError(f"--output {self.out} already holds checkpoints; pass --resume to continue, "
+                                f"--overwrite to replace the run, or choose another --output")
+        if self.dist.main:
+            write_text_atomic(self.out / "train_config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+            if cfg.resume:
+                self._trim_metrics(metrics_path)
+            elif metrics_path.exists():
+                metrics_path.unlink()
+        total = self.total_steps()
         tb = self._tensorboard()
         old_signals = self._install_signals()
         per_step = cfg.grad_accum * self.dist.world
@@ -356,12 +482,15 @@ class Trainer:
 
     def _write_final(self, final: dict, state_dict: dict) -> None:
         """The final checkpoint goes to --output itself, in the export format, beside metrics and the plot."""
-        tmp = self.out.parent / f".{self.out.name}.final"
-        save_drafter(self.model, tmp, extra_provenance={"train_config": config_to_dict(self.cfg), "final": final},
-                     state_dict=state_dict)
-        for f in ("config.json", "model.safetensors", "provenance.json"):
-            os.replace(tmp / f, self.out / f)
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-final-", dir=self.out))
+        try:
+            write_drafter(self.model, tmp, state_dict=state_dict,
+                          extra_provenance={"train_config": config_to_dict(self.cfg), "final": final,
+                                            "data_identity": self.data_identity})
+            for f in ("model.safetensors", "provenance.json", "config.json"):  # config.json last
+                os.replace(tmp / f, self.out / f)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         write_json(self.out / "final_metrics.json", final)
         try:
             from .plot import plot_metrics
