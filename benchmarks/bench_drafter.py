@@ -35,7 +35,8 @@ def make(T: int, K: int):
     b = SlotBatch(tokens=torch.randint(0, 49152, (T,), generator=g), hidden=torch.randn(T, 3 * 576, generator=g),
                   positions=torch.arange(T) + 1, doc=torch.zeros(T, dtype=torch.long),
                   target_p=torch.softmax(torch.randn(T, 8192, generator=g), -1),
-                  target_ids=torch.randint(0, 9000, (T,), generator=g), valid=torch.arange(T) >= T * 15 // 100)  # prompt, then answer
+                  target_ids=torch.randint(0, 9000, (T,), generator=g),
+                  valid=torch.arange(T) >= T * 15 // 100)  # prompt, answer
     return model, b
 
 

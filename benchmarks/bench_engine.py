@@ -123,7 +123,7 @@ def main() -> None:
 
     def pass_time(K):
         ts = []
-        for i in range(40):
+        for _ in range(40):
             c = DraftCache()
             c.kv, c.elems = cache.kv, cache.elems
             t0 = time.perf_counter()

@@ -76,7 +76,8 @@ def main():
             res[f"{backend}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             del m
         res["max_rel_grad_diff"] = max(
-            float((grads["sdpa"][n] - grads["flex"][n]).norm() / (grads["sdpa"][n].norm() + 1e-12)) for n in grads["sdpa"])
+            float((grads["sdpa"][n] - grads["flex"][n]).norm() / (grads["sdpa"][n].norm() + 1e-12))
+            for n in grads["sdpa"])
         res["loss_abs_diff"] = abs(res["sdpa_loss"] - res["flex_loss"])
         rows.append(res)
         print(json.dumps(res), flush=True)

@@ -48,7 +48,8 @@ def main() -> None:
             t0 = time.time()
             final = train(TrainConfig(**kw))
             v = final["val"]
-            rows.append({"setting": name, "overrides": over, "val_acceptance_length_k7": v["acceptance_length_estimate"],
+            rows.append({"setting": name, "overrides": over,
+                         "val_acceptance_length_k7": v["acceptance_length_estimate"],
                          "val_acc_depth0": v["acc"][0], "val_acc": v["acc"], "seconds": time.time() - t0})
             print(rows[-1], flush=True)
             write(a, rows)  # after every setting: a stopped sweep keeps what it measured

@@ -143,7 +143,8 @@ def main() -> int:
     plain = [plain_engine.generate([p], g)[0] for p in prompts]
     plain_tps = sum(len(r.token_ids) for r in plain) / (time.perf_counter() - t0)
     vp = run_vllm("plain", None)
-    report["runs"].append({"name": "plain", "paradraft_tokens_per_s": plain_tps, "vllm_tokens_per_s": vp["tokens_per_s"],
+    report["runs"].append({"name": "plain", "paradraft_tokens_per_s": plain_tps,
+                           "vllm_tokens_per_s": vp["tokens_per_s"],
                            "tokens_equal": [r.token_ids for r in plain] == vp["tokens"]})
     for d in drafters:
         exp = work / f"{d.name}-export"

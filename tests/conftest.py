@@ -1,102 +1,12 @@
-"""Shared fixtures: tokenizers with real chat templates and tiny random verifiers, built in the test itself."""
+"""Fixtures; the builders they use live in helpers.py (test files import builders from there, never from each other)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-CHATML = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-LLAMA3 = (
-    "{{- bos_token }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
-
-# The structure of Qwen3's template: thinking kept only for assistant turns after the last user query.
-QWEN3 = (
-    "{%- set ns = namespace(last_query_index=0) %}"
-    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_query_index = loop.index0 %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'user' or message.role == 'system' %}"
-    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}"
-    "{%- elif message.role == 'assistant' %}"
-    "{%- set content = message.content %}{%- set reasoning_content = '' %}"
-    "{%- if '</think>' in content %}"
-    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\n') %}{%- endif %}"
-    "{%- if loop.index0 > ns.last_query_index %}"
-    "{{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}"
-    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + content }}{%- endif %}"
-    "{{- '<|im_end|>\n' }}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
-)
-
-CORPUS = [
-    "The capital of France is Paris. Paris is a large city with many museums.",
-    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
-    "Hello! How are you today? I am fine, thank you very much.",
-    "Speculative decoding drafts tokens and verifies them in one forward pass.",
-    "Let me think step by step about the question and then answer it.",
-] * 4
-
-SPECIALS = {
-    "chatml": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-    "llama3": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-    "qwen3": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
-}
-
-
-def make_tokenizer(kind: str = "chatml", vocab_size: int = 400):
-    """A byte-level BPE tokenizer trained on a tiny corpus, with a real chat template of `kind`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = SPECIALS[kind]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
-    kw = {"chatml": dict(eos_token="<|im_end|>", bos_token=None, chat_template=CHATML),
-          "llama3": dict(eos_token="<|eot_id|>", bos_token="<|begin_of_text|>", chat_template=LLAMA3),
-          "qwen3": dict(eos_token="<|im_end|>", bos_token=None, chat_template=QWEN3)}[kind]
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=specials[0], **kw)
-    hf.add_special_tokens({"additional_special_tokens": [s for s in specials if s not in (kw["eos_token"],)]})
-    return hf
+from helpers import make_tokenizer
 
 
 @pytest.fixture
 def chatml_tokenizer():
     return make_tokenizer("chatml")
-
-
-def make_tiny_llama(vocab_size: int = 400, layers: int = 6, hidden: int = 64, seed: int = 0, qwen3: bool = False):
-    """A tiny random Llama (or Qwen3) causal LM with >= 6 layers, so the default aux layers exist."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
-    if qwen3:
-        cfg = Qwen3Config(head_dim=hidden // 4, **common)
-        return Qwen3ForCausalLM(cfg).eval()
-    return LlamaForCausalLM(LlamaConfig(**common)).eval()
-
-
-def save_tiny_verifier(tmp_path, kind: str = "chatml", qwen3: bool = False, seed: int = 0):
-    """Write a tiny verifier (model + tokenizer) to a local directory and return its path."""
-    tok = make_tokenizer(kind)
-    model = make_tiny_llama(vocab_size=len(tok), qwen3=qwen3, seed=seed)
-    path = tmp_path / f"verifier-{kind}{'-qwen3' if qwen3 else ''}"
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path

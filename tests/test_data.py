@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_tiny_llama, make_tokenizer
+from helpers import make_tiny_llama, make_tokenizer
 from paradraft.config import ConfigError, PrepareConfig, RegenerateConfig, build_config
 from paradraft.data.prepare import DatasetExistsError, PreparedDataset, prepare, preview
 from paradraft.data.regenerate import LocalGenerator, regenerate
@@ -83,7 +83,8 @@ def test_qwen3_think_blocks_masked_where_rendered():
     ]
     ids, mask = encode(tok, conv)
     # the template drops the first turn's thinking; the last turn's thinking is rendered, so it is trained
-    assert masked_runs(tok, ids, mask) == ["It is 5.<|im_end|>", "<think>\nstep by step\n</think>\n\nIt is 4.<|im_end|>"]
+    assert masked_runs(tok, ids, mask) == ["It is 5.<|im_end|>",
+                                           "<think>\nstep by step\n</think>\n\nIt is 4.<|im_end|>"]
 
 
 def write_jsonl(path, records):
@@ -311,6 +312,7 @@ def test_regenerate_local_model_batched(tmp_path):
         assert eot in ids.tolist() and not mask[ids == eot].any()
     # batched answers equal unbatched ones (left padding is handled)
     one = gen([[{"role": "user", "content": "Question 1?"}]])[0]
-    two = gen([[{"role": "user", "content": "Question 1?"}], [{"role": "user", "content": "A much longer question, 2?"}]])
+    two = gen([[{"role": "user", "content": "Question 1?"}],
+               [{"role": "user", "content": "A much longer question, 2?"}]])
     assert two[0] == one
     torch.manual_seed(0)

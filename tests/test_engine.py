@@ -7,8 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import make_tiny_llama, make_tokenizer
-from test_models import tiny_drafter
+from helpers import make_tiny_llama, make_tokenizer, tiny_drafter
 from paradraft.config import PrepareConfig, TrainConfig
 from paradraft.data.prepare import prepare
 from paradraft.decode.engine import Engine, GenerationConfig
@@ -31,7 +30,7 @@ def trained(tmp_path_factory):
     """A tiny verifier and P-EAGLE / EAGLE-3 drafters trained on its own greedy answers (high acceptance)."""
     tmp = tmp_path_factory.mktemp("engine")
     tok = make_tokenizer("chatml")
-    v = make_tiny_llama(vocab_size=len(tok), layers=6, seed=3)
+    v = make_tiny_llama(vocab_size=len(tok), layers=8, seed=3)
     eng = Engine(v)
     qs = [f"question number {i}: what is the capital of France?" for i in range(48)]
     enc = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in qs]

@@ -8,13 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_tokenizer, save_tiny_verifier
-from test_models import all_elements, random_slots
+from helpers import all_elements, make_tokenizer, random_slots, save_tiny_verifier
 from paradraft.config import ExportConfig
+from paradraft.data.vocab import build_vocab
 from paradraft.export.vllm import export, serve_command
 from paradraft.models.checkpoint import build_drafter, load_drafter, save_drafter
 from paradraft.models.common import DraftConfig
-from paradraft.data.vocab import build_vocab
 
 
 def trained_like(verifier, algorithm):
@@ -99,7 +98,7 @@ def test_import_original_eagle3_layout(tmp_path):
         "rope_theta": c.rope_parameters["rope_theta"], "vocab_size": c.vocab_size, "draft_vocab_size": 200,
         "max_position_embeddings": 512}))
     loaded = load_drafter(src, verifier=verifier)  # embeddings come from the verifier
-    assert loaded.cfg.algorithm == "eagle3" and loaded.cfg.aux_layer_ids == [2, 3, 3]
+    assert loaded.cfg.algorithm == "eagle3" and loaded.cfg.aux_layer_ids == [2, 4, 5]
     assert same_logits(d, loaded, "eagle3")
     out = export(ExportConfig(drafter=str(src), output=str(tmp_path / "converted"), verifier=str(vdir),
                               dtype="float32"))

@@ -9,11 +9,17 @@ from collections import namedtuple
 import pytest
 import torch
 
-from conftest import make_tiny_llama, make_tokenizer
+from helpers import make_tiny_llama, make_tokenizer
 from paradraft.config import ExtractConfig, PrepareConfig
 from paradraft.data import hidden_states as hsmod
-from paradraft.data.hidden_states import (HiddenStateError, HiddenStates, NotEnoughDiskError, OnlineHiddenStates,
-                                          Tap, extract)
+from paradraft.data.hidden_states import (
+    HiddenStateError,
+    HiddenStates,
+    NotEnoughDiskError,
+    OnlineHiddenStates,
+    Tap,
+    extract,
+)
 from paradraft.data.prepare import PreparedDataset, prepare
 
 

@@ -8,58 +8,13 @@ import json
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import all_elements, make_tiny_llama, random_slots, tiny_drafter
 from paradraft.data.vocab import build_vocab
 from paradraft.models.attention import Elements, attention, dense_mask, flex_mask_mod, parallel_draft_mask
 from paradraft.models.checkpoint import CheckpointError, build_drafter, check_compatible, load_drafter, save_drafter
 from paradraft.models.common import DraftCache, DraftConfig
-from paradraft.models.loss import SlotBatch, pack_slots, slots_from_sample, verifier_targets
+from paradraft.models.loss import pack_slots, slots_from_sample, verifier_targets
 from paradraft.models.peagle import cod_sample
-
-
-def tiny_drafter(algorithm="peagle", flavour="llama", layers=2, seed=0, verifier=None):
-    torch.manual_seed(seed)
-    verifier = verifier or make_tiny_llama(vocab_size=120, qwen3=(flavour == "qwen3"), seed=seed)
-    cfg = DraftConfig.from_verifier(verifier.config, algorithm=algorithm, num_layers=layers, draft_vocab_size=60,
-                                    mask_token_id=119 if algorithm == "peagle" else None)
-    model = build_drafter(cfg)
-    freqs = torch.randint(1, 100, (120,)).numpy()
-    d2t, t2d = build_vocab(freqs, 60, 120)
-    model.init_from_verifier(verifier, d2t, t2d)
-    with torch.no_grad():  # a random but non-trivial drafter
-        for n, p in model.named_parameters():
-            if p.requires_grad and p.dim() >= 1 and "norm" not in n:
-                p.normal_(0, 0.3)
-    return model.eval(), verifier
-
-
-def random_slots(T, model, doc_lengths=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    cfg = model.cfg
-    doc = torch.zeros(T, dtype=torch.long)
-    pos = torch.arange(T) + 1
-    if doc_lengths:
-        start = 0
-        for i, n in enumerate(doc_lengths):
-            doc[start:start + n] = i
-            pos[start:start + n] = torch.arange(n) + 1
-            start += n
-    return SlotBatch(tokens=torch.randint(0, 118, (T,), generator=g), hidden=torch.randn(T, 3 * cfg.hidden_size, generator=g),
-                     positions=pos, doc=doc, target_p=torch.softmax(torch.randn(T, cfg.draft_vocab_size, generator=g), -1),
-                     target_ids=torch.randint(0, cfg.vocab_size, (T,), generator=g),
-                     valid=torch.rand(T, generator=g) < 0.8)
-
-
-def all_elements(T, K, doc=None):
-    doc = torch.zeros(T, dtype=torch.long) if doc is None else doc
-    a, d = [torch.arange(T)], [torch.zeros(T, dtype=torch.long)]
-    for k in range(1, K):
-        ok = torch.arange(T - k)
-        ok = ok[doc[ok + k] == doc[ok]]
-        a.append(ok)
-        d.append(torch.full_like(ok, k))
-    return torch.cat(a), torch.cat(d)
-
 
 # ------------------------------------------------------------------------------------------- the mask rule
 
@@ -303,7 +258,7 @@ def test_checkpoint_roundtrip_and_vllm_keys(tmp_path, algorithm):
     assert cfg["speculators_model_type"] == algorithm
     assert cfg["transformer_layer_config"]["num_hidden_layers"] == 2
     assert cfg["transformer_layer_config"]["vocab_size"] == 120
-    assert cfg["draft_vocab_size"] == 60 and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]  # [2, L//2, L-3] for L=6
+    assert cfg["draft_vocab_size"] == 60 and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # [2, L//2, L-3], L=8
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == model.cfg.num_speculative_tokens
     prov = json.loads((tmp_path / "ckpt" / "provenance.json").read_text())
     assert {"command", "torch", "transformers", "git_sha", "date"} <= set(prov)
@@ -332,7 +287,7 @@ def test_incompatible_verifier_is_refused_clearly(tmp_path):
     model, verifier = tiny_drafter("peagle")
     model.cfg.verifier = "/models/verifier-a"
     save_drafter(model, tmp_path / "c")
-    other = make_tiny_llama(vocab_size=130, hidden=32, layers=6)
+    other = make_tiny_llama(vocab_size=130, hidden=32, layers=8)
     with pytest.raises(CheckpointError, match="hidden size.*vocabulary"):
         load_drafter(tmp_path / "c", verifier=other)
     cfg = load_drafter(tmp_path / "c").cfg

@@ -12,9 +12,8 @@ import os
 import stat
 
 import pytest
-import torch
 
-from conftest import save_tiny_verifier
+from helpers import save_tiny_verifier
 from paradraft.cli import main
 from paradraft.outputs import MARKER, output_lock
 

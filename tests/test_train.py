@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import make_tiny_llama, make_tokenizer, save_tiny_verifier
+from helpers import make_tiny_llama, make_tokenizer, save_tiny_verifier
 from paradraft.config import ExtractConfig, PrepareConfig, TrainConfig
 from paradraft.data.hidden_states import extract
 from paradraft.data.prepare import prepare
@@ -34,7 +34,7 @@ def make_data(tmp: Path, tok, n=40):
 def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
     tok = make_tokenizer("chatml")
-    model = make_tiny_llama(vocab_size=len(tok), layers=6)
+    model = make_tiny_llama(vocab_size=len(tok), layers=8)
     make_data(tmp, tok)
     extract(ExtractConfig(data=str(tmp / "data"), output=str(tmp / "hs"), samples_per_shard=10, dtype="float32"),
             model=model, tokenizer=tok)
@@ -146,6 +146,7 @@ def test_acceptance_estimate_formula():
     assert est["acceptance_length"] == pytest.approx({1: 1 + 2 / 3, 2: 1 + 2 / 3 + 1 / 3, 3: 2.0})
 
 
+@pytest.mark.e2e
 def test_torchrun_ddp_matches_one_process(tmp_path):
     vdir = save_tiny_verifier(tmp_path)
     tok = make_tokenizer("chatml")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama
 from paradraft.config import PrepareConfig, VocabConfig
 from paradraft.data.prepare import PreparedDataset, prepare
 from paradraft.data.vocab import load_vocab, vocab

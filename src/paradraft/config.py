@@ -317,7 +317,8 @@ class TrainConfig(Checked):
     cod_ratio: float = opt(0.7, help="P-EAGLE COD keep ratio per depth", gt=0, le=1)
     cod_ratio_min: float = opt(0.2, help="P-EAGLE COD floor", gt=0, le=1)
     ttt_steps: int = opt(3, help="EAGLE-3 training-time-test unroll steps", ge=1)
-    loss_decay: float | None = opt(None, help="per-depth / per-step loss weight decay (default: 1.0 P-EAGLE, 0.8 EAGLE-3)",
+    loss_decay: float | None = opt(None, help="per-depth / per-step loss weight decay (default: 1.0 P-EAGLE, "
+                                   "0.8 EAGLE-3)",
                                    gt=0)
     init_norm: str = opt("ones", help="drafter final norm starts as ones or as the verifier's final norm (measured "
                          "equal on the embedded verifier)", choices=["ones", "verifier"])
@@ -344,10 +345,12 @@ class TrainConfig(Checked):
     overwrite: bool = opt(False, help="replace a training run this command wrote before in --output (its own files "
                           "only)")
     autocast: str = opt("bfloat16", help="autocast dtype (weights stay float32)", choices=["bfloat16", "float32"])
-    attention: str = opt("auto", help="attention backend: sdpa (dense mask), flex (GPU), auto", choices=["auto", "sdpa", "flex"])
+    attention: str = opt("auto", help="attention backend: sdpa (dense mask), flex (GPU), auto",
+                         choices=["auto", "sdpa", "flex"])
     fsdp: bool = opt(False, help="shard the drafter with FSDP (torchrun, large drafters on GPUs)")
     device: str = opt("auto", help="cpu | cuda | auto")
-    verifier_dtype: str = opt("bfloat16", help="verifier dtype (online mode and targets)", choices=["bfloat16", "float32"])
+    verifier_dtype: str = opt("bfloat16", help="verifier dtype (online mode and targets)",
+                              choices=["bfloat16", "float32"])
 
     def check(self) -> None:
         if (self.hidden_states is None) == (not self.online):
@@ -394,7 +397,8 @@ class BenchConfig(Checked):
 
     verifier: str = opt(DEFAULT_VERIFIER, help="verifier")
     drafter: list[str] = opt(factory=list, help="drafter checkpoint (repeatable)")
-    dataset: str = opt("sharegpt-val", help="sharegpt-val (held-out split of --data) | humaneval | FILE.jsonl (prompts)")
+    dataset: str = opt("sharegpt-val",
+                       help="sharegpt-val (held-out split of --data) | humaneval | FILE.jsonl (prompts)")
     data: str = opt("runs/quickstart/data", help="prepared data whose validation split is sharegpt-val")
     num_prompts: int = opt(8, help="prompts", ge=1)
     max_new_tokens: int = opt(128, help="tokens per answer", ge=1)

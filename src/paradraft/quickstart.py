@@ -13,8 +13,18 @@ from pathlib import Path
 
 import yaml
 
-from .config import (DEFAULT_VERIFIER, BenchConfig, Checked, ConfigError, ExtractConfig, PrepareConfig,
-                     RegenerateConfig, TrainConfig, config_to_dict, opt)
+from .config import (
+    DEFAULT_VERIFIER,
+    BenchConfig,
+    Checked,
+    ConfigError,
+    ExtractConfig,
+    PrepareConfig,
+    RegenerateConfig,
+    TrainConfig,
+    config_to_dict,
+    opt,
+)
 from .outputs import claim_dir, write_marker
 from .utils import write_json
 
@@ -82,7 +92,8 @@ def _can_resume(out: Path, cfg: TrainConfig) -> bool:
 def quickstart(cfg: QuickstartConfig) -> dict:
     """Run the steps in order, reusing finished ones; returns the bench results."""
     run = Path(cfg.output)
-    claim_dir(run, "quickstart", "--output", legacy=lambda p: (p / "regenerated.jsonl").is_file())  # a directory of the user's is never used as the run directory
+    # a directory of the user's is never used as the run directory
+    claim_dir(run, "quickstart", "--output", legacy=lambda p: (p / "regenerated.jsonl").is_file())
     run.mkdir(parents=True, exist_ok=True)
     write_marker(run, "quickstart")
     t0 = time.time()

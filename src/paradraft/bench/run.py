@@ -108,7 +108,8 @@ def bench(cfg: BenchConfig) -> dict:
     eos = stop_token_ids(tok)
     drafters = []
     for path in cfg.drafter:
-        d = load_drafter(path, verifier=model, verifier_name=cfg.verifier, force=cfg.force).to(getattr(torch, cfg.dtype))
+        d = load_drafter(path, verifier=model, verifier_name=cfg.verifier, force=cfg.force)
+        d = d.to(getattr(torch, cfg.dtype))
         depths = d.cfg.num_depths
         if depths is not None and max(cfg.num_speculative_tokens) > depths:
             raise GenerationError(f"--num-speculative-tokens {max(cfg.num_speculative_tokens)}: the P-EAGLE drafter "
@@ -130,7 +131,7 @@ def bench(cfg: BenchConfig) -> dict:
 
     bar = tqdm(total=cfg.repeats * len(methods), desc="bench", unit="run", disable=None)
     for rep in range(cfg.repeats):  # interleaved: every method once per repeat
-        for m, path, d, k in methods:
+        for m, path, _d, k in methods:
             g = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                  num_speculative_tokens=max(1, k), seed=cfg.seed + rep, eos_token_ids=eos)
             if m == "prompt_lookup":
@@ -141,7 +142,7 @@ def bench(cfg: BenchConfig) -> dict:
     bar.close()
     plain_tps = statistics.median(r["tokens"] / r["wall_s"] for r in runs[("plain", None, 0)])
     results = []
-    for m, path, d, k in methods:
+    for m, path, _d, k in methods:
         rs = runs[(m, path, k)]
         tps = statistics.median(r["tokens"] / r["wall_s"] for r in rs)
         acc = [a for r in rs for a in (r["accepted"] or [])]

@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from ..errors import UserError
 from ..config import parse_shard
+from ..errors import UserError
 from ..outputs import check_replaceable, claim_dir, write_marker
 from ..utils import read_json, save_tensors, sha256_file, write_json
 
@@ -369,21 +369,15 @@ class OnlineHiddenStates:
     """The same per-sample dicts, computed on the fly by the verifier inside the training process (no disk)."""
 
     def __init__(self, model, dataset, layer_ids: list[int] | None = None, batch_tokens: int = 8192,
-                 device: str = "cpu", pad_id: int = 0, trained_only: bool = False):
+                 device: str = "cpu", pad_id: int = 0):
         self.model, self.ds = model, dataset
         self.layer_ids = resolve_layers(model.config.num_hidden_layers, layer_ids)
         self.tap = Tap(model, self.layer_ids)
-        self.batch_tokens, self.device, self.pad_id, self.trained_only = batch_tokens, device, pad_id, trained_only
+        self.batch_tokens, self.device, self.pad_id = batch_tokens, device, pad_id
 
     def compute(self, indices) -> list[dict]:
         """Per-sample dicts for prepared-dataset indices."""
-        samples = []
-        for i in indices:
-            ids, mask = self.ds.sample(int(i))
-            if self.trained_only:
-                cut = trained_cut(mask)
-                ids, mask = ids[:cut], mask[:cut]
-            samples.append((ids, mask))
+        samples = [self.ds.sample(int(i)) for i in indices]
         res = compute_samples(self.tap, samples, self.batch_tokens, self.device, self.pad_id)
         for r, i in zip(res, indices):
             r["sample_index"] = int(i)

@@ -96,10 +96,8 @@ def generate(cfg: GenerateConfig) -> list[dict]:
     for s in range(0, len(recs), cfg.batch_size):
         batch = recs[s:s + cfg.batch_size]
         ids = [encode_prompt(tok, r) for r in batch]
-        shown: list[int] = []
 
         def on_tokens(row, new):
-            shown.extend(new)
             sys.stdout.write(tok.decode(new, skip_special_tokens=True))
             sys.stdout.flush()
         t0 = time.perf_counter()

@@ -44,17 +44,10 @@ class VerifierRunner:
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.L)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only these rows of the cache (finished rows leave the batch)."""
-        self.k = [k.index_select(0, rows) for k in self.k]
-        self.v = [v.index_select(0, rows) for v in self.v]
-        self.lengths = self.lengths.index_select(0, rows)
-
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, rows: torch.Tensor | None = None, n_valid: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, rows: torch.Tensor | None = None):
         """Feed tokens [B', n] to rows (default all) at their current lengths; lengths advance by n.
 
-        n_valid [B'] (optional): only the first n_valid tokens of a row are real (prefill of ragged prompts).
         -> (logits [B', n, V] float32, aux hidden [B', n, len(aux) * H]).
         """
         Bq, n = tokens.shape
@@ -93,7 +86,7 @@ class VerifierRunner:
             h = h + attn.o_proj(o.transpose(1, 2).reshape(Bq, n, self.nh * self.hd))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         logits = self.model.lm_head(self.inner.norm(h)).float()
-        self.lengths[rows] = start + (n_valid if n_valid is not None else n)
+        self.lengths[rows] = start + n
         aux = torch.cat([dict(auxes)[i] for i in self.aux], dim=-1) if self.aux else h.new_zeros(Bq, n, 0)
         return logits, aux
 

@@ -73,7 +73,8 @@ def flex_mask_mod(q: Elements, k: Elements):
     """flex_attention `mask_mod` implementing the same rule (indices into the element lists)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return may_attend(q.anchor[q_idx], q.depth[q_idx], q.doc[q_idx], k.anchor[kv_idx], k.depth[kv_idx], k.doc[kv_idx])
+        return may_attend(q.anchor[q_idx], q.depth[q_idx], q.doc[q_idx],
+                          k.anchor[kv_idx], k.depth[kv_idx], k.doc[kv_idx])
 
     return mask_mod
 

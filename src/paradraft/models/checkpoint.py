@@ -219,7 +219,8 @@ def _top_level_config(cfg_json: dict) -> DraftConfig:
 def config_from_original_eagle3(cfg_json: dict) -> DraftConfig:
     """DraftConfig from the original EAGLE-3 layout (`LlamaForCausalLMEagle3`, a flat Llama config)."""
     H, heads = cfg_json["hidden_size"], cfg_json["num_attention_heads"]
-    rope = cfg_json.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg_json.get("rope_theta", 10000.0)}
+    rope = cfg_json.get("rope_parameters") or {"rope_type": "default",
+                                               "rope_theta": cfg_json.get("rope_theta", 10000.0)}
     if cfg_json.get("rope_scaling"):
         rope = {**cfg_json["rope_scaling"], "rope_theta": cfg_json.get("rope_theta", 10000.0)}
         rope["rope_type"] = rope.get("rope_type") or rope.get("type", "default")

@@ -24,8 +24,6 @@ from torch import nn
 
 from .attention import Elements, attention
 
-FLAVOURS = ("llama", "qwen3")
-
 
 @dataclass
 class DraftConfig:
@@ -267,8 +265,8 @@ class DraftModel(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool) if cfg.draft_vocab_size == cfg.vocab_size
-                             else torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        full = cfg.draft_vocab_size == cfg.vocab_size  # no draft vocabulary: every target token is draftable
+        self.register_buffer("t2d", (torch.ones if full else torch.zeros)(cfg.vocab_size, dtype=torch.bool))
         self.rotary = Rotary(cfg)
         self.backend = "sdpa"
 
@@ -293,10 +291,6 @@ class DraftModel(nn.Module):
             self.lm_head.weight.copy_(verifier.lm_head.weight[ids].to(self.lm_head.weight.dtype))
             self.d2t.copy_(d2t.long())
             self.t2d.copy_(t2d.bool())
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Target-vocabulary ids of draft ids (any shape)."""
-        return draft_ids + self.d2t[draft_ids]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings [N, H] (P-EAGLE overrides to use its trainable mask row)."""

@@ -7,7 +7,6 @@ Drop-token (COD) sampling and the attention rule of attention.py.
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 

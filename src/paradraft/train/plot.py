@@ -1,4 +1,4 @@
-"""PNG of training loss and per-depth accuracy over steps (written at the end of training, or `paradraft plot`)."""
+"""PNG of training loss and per-depth accuracy over steps (written at the end of training)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def plot_metrics(metrics_path: str | Path, out_png: str | Path) -> Path:
     ax1.set_title("training loss")
     depths = len(rows[-1]["acc"])
     for d in range(depths):
-        ax2.plot(steps, [num(r["acc"][d]) if d < len(r["acc"]) else float("nan") for r in rows], lw=1, label=f"depth {d}")
+        ax2.plot(steps, [num(r["acc"][d]) if d < len(r["acc"]) else float("nan") for r in rows], lw=1,
+                 label=f"depth {d}")
     val = [(r["step"], r["val"]) for r in rows if r.get("val")]
     if val:
         ax2.scatter([s for s, _ in val], [num(v["acc"][0]) for _, v in val], marker="x", color="k", label="val depth 0")

@@ -29,11 +29,11 @@ from tqdm import tqdm
 from ..config import RESUME_MAY_CHANGE, TrainConfig, config_to_dict
 from ..data.prepare import PreparedDataset
 from ..data.vocab import build_vocab, draft_to_target_ids, load_vocab, template_special_ids
+from ..errors import UserError
 from ..models.checkpoint import build_drafter, write_drafter
 from ..models.common import DraftConfig
 from ..models.loss import acceptance_estimate
 from ..models.peagle import choose_mask_token_id
-from ..errors import UserError
 from ..outputs import claim_dir, output_lock, write_marker
 from ..utils import fingerprint, json_safe, read_json, save_tensors, write_json, write_text_atomic
 from .data import OfflineSource, OnlineSource, TargetHead, epoch_plan
@@ -367,7 +367,6 @@ class Trainer:
 
     def train(self) -> dict:
         """Run training to the end (or to a signal); returns the final metrics."""
-        cfg = self.cfg
         if not self.dist.main:
             return self._train()
         with output_lock(self.out, "--output"):  # one writer per run directory (rank 0 of a torchrun job)
@@ -428,7 +427,8 @@ class Trainer:
                                         enabled=cfg.autocast != "float32"):
                         loss, stats = self.wrapped(b, generator=self.gen, **self.train_args)
                     if not torch.isfinite(loss):
-                        raise TrainingError(f"non-finite loss {float(loss.detach())} at step {self.step} (lr {lr:.2e}); "
+                        raise TrainingError(f"non-finite loss {float(loss.detach())} at step {self.step} "
+                                            f"(lr {lr:.2e}); "
                                             f"the last good checkpoint is kept in {self.ckpt_dir}")
                     (loss / cfg.grad_accum).backward()
                     loss_sum += float(loss.detach()) / cfg.grad_accum
