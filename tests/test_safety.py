@@ -341,6 +341,7 @@ BAD = [  # (argv, exit code, text the one-line message must hold)
     (["train", "--cod-ratio", "1.5", "--online"], 1, "--cod-ratio must be > 0 and <= 1"),
     (["train"], 1, "--hidden-states DIR (offline) or --online"),
     (["train", "--online", "--resume", "--overwrite"], 1, "give one"),
+    (["train", "--online", "--algorithm", "medusa"], 1, "unknown drafter algorithm 'medusa'; registered: eagle3, peagle"),
     (["generate", "--prompt", "x", "--num-speculative-tokens", "0"], 1, "--num-speculative-tokens must be >= 1"),
     (["generate", "--prompt", "x", "--top-p", "0"], 1, "--top-p must be > 0 and <= 1"),
     (["generate", "--prompt", "x", "--temperature", "-1"], 1, "--temperature must be >= 0"),

@@ -304,7 +304,8 @@ RESUME_MAY_CHANGE = ("resume", "overwrite", "max_steps", "epochs", "save_every",
 class TrainConfig(Checked):
     """`paradraft train`: train a P-EAGLE or EAGLE-3 drafter."""
 
-    algorithm: str = opt("peagle", help="drafter algorithm", choices=["peagle", "eagle3"])
+    algorithm: str = opt("peagle", help="drafter algorithm: a registered one (peagle, eagle3; see "
+                         "paradraft.models.registry)")
     verifier: str | None = opt(None, help="verifier (default: the one the data was prepared for)")
     data: str = opt("runs/data", help="prepared data directory")
     hidden_states: str | None = opt(None, help="extracted hidden states directory (offline mode)")
@@ -324,8 +325,8 @@ class TrainConfig(Checked):
                          "equal on the embedded verifier)", choices=["ones", "verifier"])
     train_embeddings: bool = opt(False, help="train the drafter's copy of the verifier's token embeddings too "
                                  "(default: frozen, only P-EAGLE's mask row trains; exported either way)")
-    num_speculative_tokens: int | None = opt(None, help="K recorded in the checkpoint (default: 7, and at most "
-                                             "--num-depths for P-EAGLE)", ge=1)
+    num_speculative_tokens: int | None = opt(None, help="K recorded in the checkpoint (default: the algorithm's: "
+                                             "7, and at most --num-depths for P-EAGLE)", ge=1)
     lr: float = opt(1e-3, help="peak learning rate (AdamW; 1e-3 measured best on the embedded verifier)", gt=0)
     weight_decay: float = opt(0.0, help="AdamW weight decay", ge=0)
     warmup_steps: int = opt(20, help="linear warmup steps, then cosine decay to 10%", ge=0)
@@ -358,11 +359,6 @@ class TrainConfig(Checked):
                               else "give --hidden-states DIR (offline) or --online")
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues the run in --output, --overwrite replaces it: give one")
-        if self.num_speculative_tokens is None:
-            self.num_speculative_tokens = min(7, self.num_depths) if self.algorithm == "peagle" else 7
-        elif self.algorithm == "peagle" and self.num_speculative_tokens > self.num_depths:
-            raise ConfigError(f"--num-speculative-tokens {self.num_speculative_tokens} > --num-depths "
-                              f"{self.num_depths}: a P-EAGLE drafter drafts only the depths it was trained on")
 
 
 @dataclasses.dataclass

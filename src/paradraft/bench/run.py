@@ -110,10 +110,10 @@ def bench(cfg: BenchConfig) -> dict:
     for path in cfg.drafter:
         d = load_drafter(path, verifier=model, verifier_name=cfg.verifier, force=cfg.force)
         d = d.to(getattr(torch, cfg.dtype))
-        depths = d.cfg.num_depths
-        if depths is not None and max(cfg.num_speculative_tokens) > depths:
-            raise GenerationError(f"--num-speculative-tokens {max(cfg.num_speculative_tokens)}: the P-EAGLE drafter "
-                                  f"{path} was trained on {depths} depths; benchmark K <= {depths}")
+        limit = d.max_draft_tokens()
+        if limit is not None and max(cfg.num_speculative_tokens) > limit:
+            raise GenerationError(f"--num-speculative-tokens {max(cfg.num_speculative_tokens)}: the drafter "
+                                  f"{path} was trained on {limit} depths; benchmark K <= {limit}")
         drafters.append((path, d))
     methods = [("plain", None, None, 0)]
     for path, d in drafters:

@@ -64,7 +64,7 @@ class Engine:
             drafter.eval()
             self.draft_ids = drafter.d2t + torch.arange(len(drafter.d2t), device=drafter.d2t.device)  # [Vd]
 
-    # ----------------------------------------------------------------------------------------- drafting
+    # ----------------------------------------------------------------------------------------- the steps
 
     def _q(self, draft_logits: torch.Tensor, g: GenerationConfig) -> torch.Tensor:
         """Drafter logits [..., Vd] -> proposal distribution over the TARGET vocabulary [..., V]."""
@@ -72,37 +72,81 @@ class Engine:
         full[..., self.draft_ids] = draft_logits
         return process_logits(full, g.temperature, g.top_p, g.top_k)
 
-    @torch.inference_mode()
-    def _draft(self, ctx: list[tuple], rows: list[int], cache: DraftCache, g: GenerationConfig, gen):
-        """K draft tokens per row: -> (draft [R, K] target ids, q [R, K, V])."""
+    def _pick(self, probs: torch.Tensor, st: _State) -> torch.Tensor:
+        """The sampling rule on processed probabilities [..., V]: argmax at T=0, else a draw."""
+        return probs.argmax(-1) if st.g.temperature <= 0 else sample(probs, st.gen)
+
+    def prefill(self, st: _State, prompts: list[list[int]]) -> None:
+        """Each prompt through the verifier (row by row: ragged prompts); its first token; the drafter's context."""
+        g, dev = st.g, self.runner.device
+        for b, p in enumerate(prompts):
+            if len(p) + g.max_new_tokens + g.num_speculative_tokens + 1 > self.runner.max_len:
+                raise GenerationError(f"prompt {b} of {len(p)} tokens + {g.max_new_tokens} new tokens exceeds the "
+                                      f"KV cache ({self.runner.max_len} tokens, --max-len)")
+            logits, aux = self.runner.forward(torch.tensor([p], device=dev), rows=torch.tensor([b], device=dev))
+            x = int(self._pick(process_logits(logits[0, -1], g.temperature, g.top_p, g.top_k), st))
+            st.emit(b, [x], accepted=None)
+            if self.drafter is not None:
+                st.ctx[b] = (torch.tensor(p[1:] + [x]), aux[0].float(), torch.arange(1, len(p) + 1))
+
+    def plain_step(self, st: _State, active: list[int]) -> None:
+        """One verifier pass of plain decoding: one new token per active row."""
+        g, dev = st.g, self.runner.device
+        t0 = time.perf_counter()
+        logits, _ = self.runner.forward(st.pending[active][:, None].to(dev), rows=torch.tensor(active, device=dev))
+        nxt = self._pick(process_logits(logits[:, 0], g.temperature, g.top_p, g.top_k), st)
+        dt = time.perf_counter() - t0
+        for j, b in enumerate(active):
+            st.emit(b, [int(nxt[j])], accepted=0, verify_s=dt)
+
+    def draft(self, st: _State, active: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K draft tokens per active row from the drafter's protocol -> (draft [R, K] target ids, q [R, K, V])."""
         d = self.drafter
-        K = g.num_speculative_tokens
-        toks = torch.cat([ctx[r][0] for r in rows])
-        hids = torch.cat([ctx[r][1] for r in rows]).to(d.fc.weight.dtype)
-        pos = torch.cat([ctx[r][2] for r in rows])
-        counts = [int(ctx[r][0].numel()) for r in rows]
-        doc = torch.tensor(rows)  # each row is its own document in the shared drafter cache
-        if d.cfg.algorithm == "peagle":  # ONE drafter pass for all K
-            q = self._q(d.draft(toks, hids, pos, K, cache, doc=doc, counts=counts), g)  # [R, K, V]
-            draft = q.argmax(-1) if g.temperature <= 0 else sample(q, gen)
-            return draft, q
-        # EAGLE-3: a context step, then K-1 chain steps feeding the drafter's own hidden state forward
-        logits, h = d.context_step(toks, hids, pos, cache, doc=doc.repeat_interleave(torch.tensor(counts)))
-        keep = len(cache)
-        ends = torch.tensor(counts).cumsum(0) - 1
-        hp, anchor = h[ends], pos[ends]  # [R, H], [R]
-        q = self._q(logits[ends], g)
-        qs, drafts = [], []
-        for s in range(1, K + 1):
-            x = q.argmax(-1) if g.temperature <= 0 else sample(q, gen)  # [R]
-            qs.append(q)
-            drafts.append(x)
-            if s == K:
-                break
-            lg, hp = d.chain_step(x, hp, anchor, s, cache, doc=doc)
-            q = self._q(lg, g)
-        cache.truncate(keep)  # chain elements are speculative: only context slots stay
-        return torch.stack(drafts, 1), torch.stack(qs, 1)
+        toks = torch.cat([st.ctx[r][0] for r in active])
+        hids = torch.cat([st.ctx[r][1] for r in active]).to(d.fc.weight.dtype)
+        pos = torch.cat([st.ctx[r][2] for r in active])
+        counts = [int(st.ctx[r][0].numel()) for r in active]
+        doc = torch.tensor(active)  # each row is its own document in the shared drafter cache
+
+        def choose(draft_logits):
+            q = self._q(draft_logits, st.g)
+            return self._pick(q, st), q
+        return d.propose(toks, hids, pos, counts, doc, st.g.num_speculative_tokens, st.cache, choose)
+
+    def verify(self, st: _State, active: list[int], draft: torch.Tensor, q: torch.Tensor):
+        """One verifier pass over [pending, drafts] per row; the acceptance rule; rejected drafts rolled back.
+        -> (n_acc [R], next token [R], aux hidden states [R, K+1, 3H])."""
+        g, dev = st.g, self.runner.device
+        rows = torch.tensor(active, device=dev)
+        start = self.runner.lengths[rows].clone()
+        inp = torch.cat([st.pending[active][:, None], draft], 1).to(dev)  # [R, K+1]
+        logits, aux = self.runner.forward(inp, rows=rows)
+        p = process_logits(logits, g.temperature, g.top_p, g.top_k)  # [R, K+1, V]
+        if g.temperature <= 0:
+            n_acc, nxt = greedy_accept(draft, p.argmax(-1))
+        else:
+            n_acc, nxt = rejection_accept(draft, q, p, st.gen)
+        self.runner.set_lengths(rows, start + n_acc.to(dev) + 1)  # roll back the rejected drafts
+        return n_acc, nxt, aux, start
+
+    def accept(self, st: _State, active: list[int], draft, n_acc, nxt, aux, start, draft_s: float,
+               verify_s: float) -> None:
+        """Emit each row's accepted drafts + the verifier's token; the drafter's next context slots."""
+        for j, b in enumerate(active):
+            m = int(n_acc[j])
+            new = draft[j, :m].tolist() + [int(nxt[j])]
+            st.emit(b, new, accepted=m, draft_s=draft_s, verify_s=verify_s)
+            last_pos = int(start[j])  # position of the pending token fed this round
+            st.ctx[b] = (torch.tensor(new), aux[j, :m + 1].float(), torch.arange(last_pos + 1, last_pos + m + 2))
+
+    def speculative_step(self, st: _State, active: list[int]) -> None:
+        """draft -> verify -> accept for the active rows."""
+        t0 = time.perf_counter()
+        draft, q = self.draft(st, active)  # [R, K], [R, K, V]
+        t1 = time.perf_counter()
+        n_acc, nxt, aux, start = self.verify(st, active, draft, q)
+        t2 = time.perf_counter()
+        self.accept(st, active, draft, n_acc, nxt, aux, start, t1 - t0, t2 - t1)
 
     # ----------------------------------------------------------------------------------------- generate
 
@@ -110,98 +154,65 @@ class Engine:
     def generate(self, prompts: list[list[int]], g: GenerationConfig, on_tokens=None) -> list[Result]:
         """Generate for a batch of tokenized prompts. on_tokens(row, new_ids) streams accepted tokens."""
         t_start = time.perf_counter()
-        depths = getattr(getattr(self.drafter, "cfg", None), "num_depths", None)
-        if depths is not None and g.num_speculative_tokens > depths:
-            raise GenerationError(f"--num-speculative-tokens {g.num_speculative_tokens}: this P-EAGLE drafter was "
-                                  f"trained on {depths} depths; draft at most {depths}")
-        gen = torch.Generator().manual_seed(g.seed)
-        B = len(prompts)
-        dev = self.runner.device
-        self.runner.alloc(B)
-        res = [Result(token_ids=[]) for _ in range(B)]
-        eos = set(g.eos_token_ids)
-        ctx: list[tuple | None] = [None] * B  # new drafter context slots per row (tokens, hidden, positions)
-        pending = torch.zeros(B, dtype=torch.long)
-        for b, p in enumerate(prompts):  # prefill row by row (ragged prompts)
-            if len(p) + g.max_new_tokens + g.num_speculative_tokens + 1 > self.runner.max_len:
-                raise GenerationError(f"prompt {b} of {len(p)} tokens + {g.max_new_tokens} new tokens exceeds the "
-                                      f"KV cache ({self.runner.max_len} tokens, --max-len)")
-            logits, aux = self.runner.forward(torch.tensor([p], device=dev), rows=torch.tensor([b], device=dev))
-            probs = process_logits(logits[0, -1], g.temperature, g.top_p, g.top_k)
-            x = int(probs.argmax()) if g.temperature <= 0 else int(sample(probs, gen))
-            pending[b] = x
-            res[b].token_ids.append(x)
-            res[b].num_verifier_passes += 1
-            if on_tokens:
-                on_tokens(b, [x])
-            if self.drafter is not None:
-                toks = torch.tensor(p[1:] + [x])
-                ctx[b] = (toks, aux[0].float(), torch.arange(1, len(p) + 1))
-        def finished(r: Result) -> bool:  # the one stop rule of a row; records why it ended
-            if r.token_ids[-1] in eos:
-                r.finish_reason = "stop"
-            elif len(r.token_ids) >= g.max_new_tokens:
-                r.finish_reason = "length"
-            return r.finish_reason is not None
-
-        active = [b for b in range(B) if not finished(res[b])]
-        cache = DraftCache()
+        limit = self.drafter.max_draft_tokens() if self.drafter is not None else None
+        if limit is not None and g.num_speculative_tokens > limit:
+            raise GenerationError(f"--num-speculative-tokens {g.num_speculative_tokens}: this drafter was trained "
+                                  f"on {limit} depths; draft at most {limit}")
+        self.runner.alloc(len(prompts))
+        st = _State(g, len(prompts), on_tokens)
+        self.prefill(st, prompts)
+        active = [b for b in range(len(prompts)) if not st.finished(b)]
         while active:
-            rows = torch.tensor(active, device=dev)
             if self.drafter is None:
-                t0 = time.perf_counter()
-                logits, _ = self.runner.forward(pending[active][:, None].to(dev), rows=rows)
-                probs = process_logits(logits[:, 0], g.temperature, g.top_p, g.top_k)
-                nxt = probs.argmax(-1) if g.temperature <= 0 else sample(probs, gen)
-                dt = time.perf_counter() - t0
-                for j, b in enumerate(active):
-                    x = int(nxt[j])
-                    res[b].token_ids.append(x)
-                    res[b].num_verifier_passes += 1
-                    res[b].accepted_per_pass.append(0)
-                    res[b].verify_s += dt
-                    pending[b] = x
-                    if on_tokens:
-                        on_tokens(b, [x])
+                self.plain_step(st, active)
             else:
-                t0 = time.perf_counter()
-                draft, q = self._draft(ctx, active, cache, g, gen)  # [R, K], [R, K, V]
-                t1 = time.perf_counter()
-                start = self.runner.lengths[rows].clone()
-                inp = torch.cat([pending[active][:, None], draft], 1).to(dev)  # [R, K+1]
-                logits, aux = self.runner.forward(inp, rows=rows)
-                p = process_logits(logits, g.temperature, g.top_p, g.top_k)  # [R, K+1, V]
-                if g.temperature <= 0:
-                    n_acc, nxt = greedy_accept(draft, p.argmax(-1))
-                else:
-                    n_acc, nxt = rejection_accept(draft, q, p, gen)
-                self.runner.set_lengths(rows, start + n_acc.to(dev) + 1)  # roll back the rejected drafts
-                t2 = time.perf_counter()
-                for j, b in enumerate(active):
-                    m = int(n_acc[j])
-                    new = draft[j, :m].tolist() + [int(nxt[j])]
-                    room = g.max_new_tokens - len(res[b].token_ids)
-                    cut = new[:room]
-                    for i, t in enumerate(cut):
-                        if t in eos:
-                            cut = cut[:i + 1]
-                            break
-                    res[b].token_ids.extend(cut)
-                    res[b].num_verifier_passes += 1
-                    res[b].accepted_per_pass.append(m)
-                    res[b].draft_s += t1 - t0
-                    res[b].verify_s += t2 - t1
-                    pending[b] = new[-1]
-                    last_pos = int(start[j])  # position of the pending token fed this round
-                    ctx[b] = (torch.tensor(new), aux[j, :m + 1].float(),
-                              torch.arange(last_pos + 1, last_pos + m + 2))
-                    if on_tokens:
-                        on_tokens(b, cut)
-            still = [b for b in active if not finished(res[b])]
+                self.speculative_step(st, active)
+            still = [b for b in active if not st.finished(b)]
             if self.drafter is not None and len(still) < len(active):
-                cache.keep_docs(still)  # finished rows' drafter keys leave the attention of the rest
+                st.cache.keep_docs(still)  # finished rows' drafter keys leave the attention of the rest
             active = still
         total = time.perf_counter() - t_start
-        for r in res:
+        for r in st.res:
             r.time_s = total
-        return res
+        return st.res
+
+
+class _State:
+    """What one `generate` call carries between steps: results, each row's pending token and new drafter
+    context slots, the drafter cache, the sampling generator."""
+
+    def __init__(self, g: GenerationConfig, batch: int, on_tokens=None):
+        self.g, self.on_tokens = g, on_tokens
+        self.gen = torch.Generator().manual_seed(g.seed)
+        self.res = [Result(token_ids=[]) for _ in range(batch)]
+        self.pending = torch.zeros(batch, dtype=torch.long)
+        self.ctx: list[tuple | None] = [None] * batch  # (tokens, hidden, positions) of new drafter context slots
+        self.cache = DraftCache()
+        self.eos = set(g.eos_token_ids)
+
+    def emit(self, b: int, new: list[int], accepted: int | None, draft_s: float = 0.0, verify_s: float = 0.0) -> None:
+        """Row b's new tokens after one verifier pass, cut at max_new_tokens and at the first stop token."""
+        r = self.res[b]
+        cut = new[: self.g.max_new_tokens - len(r.token_ids)]
+        for i, t in enumerate(cut):
+            if t in self.eos:
+                cut = cut[:i + 1]
+                break
+        r.token_ids.extend(cut)
+        r.num_verifier_passes += 1
+        if accepted is not None:
+            r.accepted_per_pass.append(accepted)
+        r.draft_s += draft_s
+        r.verify_s += verify_s
+        self.pending[b] = new[-1]
+        if self.on_tokens:
+            self.on_tokens(b, cut)
+
+    def finished(self, b: int) -> bool:
+        """The one stop rule of a row; records why it ended."""
+        r = self.res[b]
+        if r.token_ids[-1] in self.eos:
+            r.finish_reason = "stop"
+        elif len(r.token_ids) >= self.g.max_new_tokens:
+            r.finish_reason = "length"
+        return r.finish_reason is not None

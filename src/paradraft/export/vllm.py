@@ -10,15 +10,15 @@ import torch
 
 from ..config import ExportConfig
 from ..models.checkpoint import CheckpointError, legacy_drafter, load_drafter, save_drafter
+from ..models.registry import drafter_class
 from ..outputs import claim_dir
 
 
 def speculative_config(drafter_dir: str, algorithm: str, k: int) -> dict:
-    """vLLM's --speculative-config for a drafter directory."""
-    cfg = {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": k}
-    if algorithm == "peagle":
-        cfg["parallel_drafting"] = True
-    return cfg
+    """vLLM's --speculative-config for a drafter directory (vLLM runs every EAGLE-family drafter as "eagle3";
+    the algorithm adds its own keys, e.g. P-EAGLE's parallel_drafting)."""
+    return {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": k,
+            **drafter_class(algorithm).speculative_config_keys()}
 
 
 def serve_command(verifier_path: str, drafter_dir: str, algorithm: str, k: int) -> str:
@@ -43,11 +43,10 @@ def export(cfg: ExportConfig) -> Path:
     drafter.cfg.verifier = resolve_verifier(verifier_name)  # a path or id vLLM can open
     drafter.cfg.verifier_architectures = list(model.config.architectures or [])
     if cfg.num_speculative_tokens:
-        depths = drafter.cfg.num_depths
-        if drafter.cfg.algorithm == "peagle" and depths is not None and cfg.num_speculative_tokens > depths:
-            raise CheckpointError(f"--num-speculative-tokens {cfg.num_speculative_tokens}: the P-EAGLE drafter was "
-                                  f"trained on {depths} depths, so vLLM would draft untrained positions; at most "
-                                  f"{depths}")
+        limit = drafter.max_draft_tokens()
+        if limit is not None and cfg.num_speculative_tokens > limit:
+            raise CheckpointError(f"--num-speculative-tokens {cfg.num_speculative_tokens}: the drafter was trained "
+                                  f"on {limit} depths, so vLLM would draft untrained positions; at most {limit}")
         drafter.cfg.num_speculative_tokens = cfg.num_speculative_tokens
     out = save_drafter(drafter, cfg.output, dtype=getattr(torch, cfg.dtype),
                        extra_provenance={"exported_from": str(Path(cfg.drafter).resolve())})

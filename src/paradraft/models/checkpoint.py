@@ -1,6 +1,6 @@
 """Drafter checkpoints in the speculators / vLLM format: `config.json` + `model.safetensors` (+ provenance.json).
 
-config.json keys vLLM reads: speculators_model_type ("peagle" | "eagle3"), architectures, transformer_layer_config
+config.json keys vLLM reads: speculators_model_type (the registered algorithm), architectures, transformer_layer_config
 (the draft layer's HF config; num_hidden_layers = draft layers, vocab_size = verifier vocab), draft_vocab_size,
 target_hidden_size, norm_before_residual, eagle_aux_hidden_state_layer_ids, mask_token_id (peagle), and
 speculators_config {algorithm, proposal_methods [{proposal_type greedy, speculative_tokens K}],
@@ -27,8 +27,7 @@ from ..errors import UserError
 from ..outputs import claim_dir, output_lock, replace_dir
 from ..utils import read_json, save_tensors, write_json
 from .common import DraftConfig, DraftModel
-
-ARCHITECTURES = {"peagle": "PEagleSpeculator", "eagle3": "Eagle3Speculator"}
+from .registry import algorithms, drafter_class
 
 
 class CheckpointError(UserError, ValueError):
@@ -36,26 +35,19 @@ class CheckpointError(UserError, ValueError):
 
 
 def build_drafter(cfg: DraftConfig) -> DraftModel:
-    """An untrained drafter of cfg.algorithm."""
-    if cfg.algorithm == "peagle":
-        from .peagle import PEagleDrafter
-
-        return PEagleDrafter(cfg)
-    if cfg.algorithm == "eagle3":
-        from .eagle3 import Eagle3Drafter
-
-        return Eagle3Drafter(cfg)
-    raise CheckpointError(f"unknown drafter algorithm {cfg.algorithm!r} (peagle | eagle3)")
+    """An untrained drafter of cfg.algorithm (any registered algorithm)."""
+    return drafter_class(cfg.algorithm)(cfg)
 
 
-def speculators_config(cfg: DraftConfig) -> dict:
-    """The config.json dict vLLM reads."""
+def speculators_config(model: DraftModel) -> dict:
+    """The config.json dict vLLM reads: the shared keys, then the algorithm's own (`config_keys`)."""
+    cfg = model.cfg
     layer = cfg.hf_layer_config().to_dict()
     layer.pop("transformers_version", None)
     layer["rope_theta"] = cfg.rope_parameters.get("rope_theta")  # for readers that predate rope_parameters
     layer["architectures"] = ["LlamaForCausalLM" if cfg.flavour == "llama" else "Qwen3ForCausalLM"]
     out = {
-        "architectures": [ARCHITECTURES[cfg.algorithm]],
+        "architectures": [drafter_class(cfg.algorithm).architecture],
         "speculators_model_type": cfg.algorithm,
         "speculators_version": "0.6.0",
         "transformer_layer_config": layer,
@@ -73,9 +65,7 @@ def speculators_config(cfg: DraftConfig) -> dict:
         "torch_dtype": "float32",
         "paradraft": cfg.to_dict(),
     }
-    if cfg.algorithm == "peagle":
-        out["mask_token_id"] = cfg.mask_token_id
-        out["parallel_drafting"] = True
+    out.update(model.config_keys())
     return out
 
 
@@ -102,10 +92,7 @@ def drafter_state_dict(model: DraftModel, dtype: torch.dtype | None = None,
                        state_dict: dict | None = None) -> dict[str, torch.Tensor]:
     """Weights under the names vLLM reads (the P-EAGLE mask row folded into embed_tokens.weight)."""
     sd = {k: v.detach().cpu() for k, v in (state_dict or model.state_dict()).items() if not k.startswith("rotary.")}
-    if "mask_embedding" in sd:
-        emb = sd["embed_tokens.weight"].clone()
-        emb[model.cfg.mask_token_id] = sd.pop("mask_embedding").to(emb.dtype)
-        sd["embed_tokens.weight"] = emb
+    sd = model.checkpoint_state_dict(sd)
     out = {}
     for k, v in sd.items():
         v = v.contiguous()
@@ -117,7 +104,7 @@ def write_drafter(model: DraftModel, directory: str | Path, extra_provenance: di
                   dtype: torch.dtype | None = None, state_dict: dict | None = None) -> None:
     """Write config.json + model.safetensors + provenance.json into an existing directory (config.json last)."""
     directory = Path(directory)
-    cfg = speculators_config(model.cfg)
+    cfg = speculators_config(model)
     if dtype is not None:
         cfg["torch_dtype"] = str(dtype).replace("torch.", "")
     save_tensors(drafter_state_dict(model, dtype, state_dict), directory / "model.safetensors",
@@ -182,8 +169,8 @@ def config_from_speculators(cfg_json: dict) -> DraftConfig:
 
 def _top_level_config(cfg_json: dict) -> DraftConfig:
     algo = cfg_json.get("speculators_model_type")
-    if algo not in ARCHITECTURES:
-        raise CheckpointError(f"config.json: speculators_model_type {algo!r} is not one of {sorted(ARCHITECTURES)}")
+    if algo not in algorithms():
+        raise CheckpointError(f"config.json: speculators_model_type {algo!r} is not one of {algorithms()}")
     layer = cfg_json.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise CheckpointError("config.json: transformer_layer_config is missing")
@@ -209,7 +196,7 @@ def _top_level_config(cfg_json: dict) -> DraftConfig:
         vocab_size=layer["vocab_size"], draft_vocab_size=cfg_json.get("draft_vocab_size") or layer["vocab_size"],
         aux_layer_ids=list(ids) if ids else [],
         target_hidden_size=target_hidden if target_hidden not in (None, H) else None,
-        norm_before_residual=cfg_json.get("norm_before_residual", algo == "eagle3"),
+        norm_before_residual=cfg_json.get("norm_before_residual", drafter_class(algo).default_norm_before_residual),
         mask_token_id=cfg_json.get("mask_token_id"),
         num_speculative_tokens=methods[0].get("speculative_tokens", 7),
         verifier=(spec.get("verifier") or {}).get("name_or_path", ""),
@@ -291,7 +278,6 @@ def load_drafter(path: str | Path, verifier=None, verifier_name: str | None = No
             from ..verifier import default_aux_layers
 
             cfg.aux_layer_ids = default_aux_layers(verifier.config.num_hidden_layers)
-    model = build_drafter(cfg)
     if "embed_tokens.weight" not in sd:
         if verifier is not None:
             sd["embed_tokens.weight"] = verifier.get_input_embeddings().weight.detach().float()
@@ -300,13 +286,11 @@ def load_drafter(path: str | Path, verifier=None, verifier_name: str | None = No
         else:
             raise CheckpointError(f"{path} has no embed_tokens.weight; load it with its verifier")
     sd = {k: v for k, v in sd.items() if not k.startswith("rotary.")}
-    if cfg.algorithm == "peagle":
-        if cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < cfg.vocab_size or "mask_hidden" not in sd:
-            raise CheckpointError(f"{path}: a P-EAGLE checkpoint needs mask_token_id (in the vocabulary) and "
-                                  f"mask_hidden")
-        sd["mask_embedding"] = sd["embed_tokens.weight"][cfg.mask_token_id].clone()
-        if sd["mask_hidden"].dim() == 3:
-            sd["mask_hidden"] = sd["mask_hidden"].reshape(1, -1)
+    try:
+        sd = drafter_class(cfg.algorithm).state_dict_from_checkpoint(sd, cfg)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    model = build_drafter(cfg)
     if cfg.draft_vocab_size == cfg.vocab_size:
         sd.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         sd.setdefault("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))

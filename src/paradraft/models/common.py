@@ -252,7 +252,77 @@ class DraftCache:
 
 
 class DraftModel(nn.Module):
-    """fc + decoder layers + norm + lm_head over the draft vocab, on flat element lists."""
+    """fc + decoder layers + norm + lm_head over the draft vocab, on flat element lists.
+
+    It is also the drafter protocol: an algorithm is a subclass, registered by name (registry.py), that says how
+    it trains (`train_args`, `forward`), drafts (`propose`), and what its checkpoints and vLLM need beyond the
+    shared keys. The trainer, the engine, the checkpoint code and the exporter call only these hooks.
+    """
+
+    algorithm: str = ""  # registry name; config.json `speculators_model_type`
+    architecture: str = ""  # config.json `architectures` entry vLLM dispatches on
+    default_norm_before_residual: bool = False  # what a speculators config.json without the key means
+
+    # ---- training
+    @classmethod
+    def resolve_train_config(cls, cfg) -> None:
+        """Fill this algorithm's defaults into a TrainConfig (K when not given) and refuse what it cannot train."""
+        if cfg.num_speculative_tokens is None:
+            cfg.num_speculative_tokens = 7
+
+    @classmethod
+    def train_args(cls, cfg) -> dict:
+        """Keyword arguments of `forward(batch, generator, **args)` from a TrainConfig."""
+        raise NotImplementedError
+
+    @classmethod
+    def scored_depths(cls, cfg) -> int:
+        """How many depths (draft positions) training and validation report accuracy for."""
+        raise NotImplementedError
+
+    @classmethod
+    def validation_args(cls, args: dict) -> dict:
+        """`train_args` for held-out validation (every depth at every position)."""
+        return dict(args)
+
+    @classmethod
+    def config_overrides(cls, cfg, tokenizer, vocab_size: int, token_freqs) -> dict:
+        """DraftConfig fields this algorithm sets when a drafter is trained (e.g. P-EAGLE's mask token)."""
+        return {}
+
+    # ---- checkpoints and vLLM
+    def config_keys(self) -> dict:
+        """Top-level config.json keys beside the shared ones."""
+        return {}
+
+    @classmethod
+    def speculative_config_keys(cls) -> dict:
+        """Keys of vLLM's --speculative-config beside method, model and num_speculative_tokens."""
+        return {}
+
+    def checkpoint_state_dict(self, sd: dict) -> dict:
+        """The state dict under the names vLLM reads (a hook for parameters stored elsewhere there)."""
+        return sd
+
+    @classmethod
+    def state_dict_from_checkpoint(cls, sd: dict, cfg: DraftConfig) -> dict:
+        """The inverse of `checkpoint_state_dict` (raise ValueError for a checkpoint that lacks what it needs)."""
+        return sd
+
+    # ---- inference
+    def max_draft_tokens(self) -> int | None:
+        """The most draft tokens per pass this drafter was trained for (None: no limit recorded)."""
+        return None
+
+    def propose(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, counts: list[int],
+                doc: torch.Tensor, k: int, cache: DraftCache, choose):
+        """k draft tokens for each of R rows.
+
+        tokens [n], hidden [n, 3Hv], positions [n]: the new context slots of all rows, concatenated, counts[r] of
+        them row r's; doc [R] row ids (documents in the shared cache). `choose(draft_logits [..., Vd])` returns
+        (tokens [...] target ids, q [..., V]), the engine's sampling rule. -> (draft [R, k], q [R, k, V]).
+        """
+        raise NotImplementedError
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()

@@ -12,10 +12,41 @@ import torch
 from .attention import Elements
 from .common import DraftCache, DraftModel
 from .loss import SlotBatch, depth_reduce, draft_loss
+from .registry import register
 
 
+@register
 class Eagle3Drafter(DraftModel):
     """The shared drafter, drafting sequentially and feeding its hidden states forward."""
+
+    algorithm = "eagle3"
+    architecture = "Eagle3Speculator"
+    default_norm_before_residual = True
+
+    # ---- the drafter protocol (common.py)
+    @classmethod
+    def train_args(cls, cfg) -> dict:
+        return {"ttt_steps": cfg.ttt_steps, "loss_decay": 0.8 if cfg.loss_decay is None else cfg.loss_decay}
+
+    @classmethod
+    def scored_depths(cls, cfg) -> int:
+        return cfg.ttt_steps
+
+    def propose(self, tokens, hidden, positions, counts, doc, k, cache, choose):
+        """A context step over the new slots, then k-1 chain steps feeding the drafter's own hidden state forward."""
+        logits, h = self.context_step(tokens, hidden, positions, cache, doc=doc.repeat_interleave(torch.tensor(counts)))
+        keep = len(cache)
+        ends = torch.tensor(counts).cumsum(0) - 1  # each row's last context slot
+        hp, anchor = h[ends], positions[ends]  # [R, H], [R]
+        x, q = choose(logits[ends])  # [R], [R, V]
+        drafts, qs = [x], [q]
+        for s in range(1, k):
+            lg, hp = self.chain_step(x, hp, anchor, s, cache, doc=doc)
+            x, q = choose(lg)
+            drafts.append(x)
+            qs.append(q)
+        cache.truncate(keep)  # chain elements are speculative: only context slots stay
+        return torch.stack(drafts, 1), torch.stack(qs, 1)
 
     def train_forward(self, b: SlotBatch, ttt_steps: int, decay: float = 0.8):
         """Loss and per-step stats of one packed sequence, unrolled for `ttt_steps` steps.

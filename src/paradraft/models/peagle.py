@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..config import ConfigError
 from .attention import Elements
 from .common import DraftCache, DraftConfig, DraftModel
 from .loss import SlotBatch, depth_reduce, draft_loss
+from .registry import register
 
 
 def cod_sample(loss_mask: torch.Tensor, num_depths: int, ratio: float = 0.7, ratio_min: float = 0.2,
@@ -78,8 +80,70 @@ def choose_mask_token_id(tokenizer, vocab_size: int, token_freqs=None) -> int:
     raise ValueError("no unused token for the P-EAGLE mask; pass mask_token_id explicitly")
 
 
+@register
 class PEagleDrafter(DraftModel):
     """The shared drafter plus a trainable mask-token embedding row and a learnable `mask_hidden` [1, 3Hv]."""
+
+    algorithm = "peagle"
+    architecture = "PEagleSpeculator"
+
+    # ---- the drafter protocol (common.py)
+    @classmethod
+    def resolve_train_config(cls, cfg) -> None:
+        if cfg.num_speculative_tokens is None:
+            cfg.num_speculative_tokens = min(7, cfg.num_depths)
+        elif cfg.num_speculative_tokens > cfg.num_depths:
+            raise ConfigError(f"--num-speculative-tokens {cfg.num_speculative_tokens} > --num-depths "
+                              f"{cfg.num_depths}: a P-EAGLE drafter drafts only the depths it was trained on")
+
+    @classmethod
+    def train_args(cls, cfg) -> dict:
+        return {"num_depths": cfg.num_depths, "cod_ratio": cfg.cod_ratio, "cod_ratio_min": cfg.cod_ratio_min,
+                "loss_decay": 1.0 if cfg.loss_decay is None else cfg.loss_decay}
+
+    @classmethod
+    def scored_depths(cls, cfg) -> int:
+        return cfg.num_depths
+
+    @classmethod
+    def validation_args(cls, args: dict) -> dict:
+        return {**args, "cod_ratio": 1.0, "cod_ratio_min": 1.0}  # no COD: every depth at every position
+
+    @classmethod
+    def config_overrides(cls, cfg, tokenizer, vocab_size: int, token_freqs) -> dict:
+        mask = choose_mask_token_id(tokenizer, vocab_size, token_freqs) if tokenizer is not None else vocab_size - 1
+        return {"mask_token_id": mask, "num_depths": cfg.num_depths}
+
+    def config_keys(self) -> dict:
+        return {"mask_token_id": self.cfg.mask_token_id, "parallel_drafting": True}
+
+    @classmethod
+    def speculative_config_keys(cls) -> dict:
+        return {"parallel_drafting": True}
+
+    def checkpoint_state_dict(self, sd: dict) -> dict:
+        sd = dict(sd)
+        emb = sd["embed_tokens.weight"].clone()  # vLLM reads the trained mask row from the embedding table
+        emb[self.cfg.mask_token_id] = sd.pop("mask_embedding").to(emb.dtype)
+        sd["embed_tokens.weight"] = emb
+        return sd
+
+    @classmethod
+    def state_dict_from_checkpoint(cls, sd: dict, cfg: DraftConfig) -> dict:
+        if cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < cfg.vocab_size or "mask_hidden" not in sd:
+            raise ValueError("a P-EAGLE checkpoint needs mask_token_id (in the vocabulary) and mask_hidden")
+        sd = dict(sd)
+        sd["mask_embedding"] = sd["embed_tokens.weight"][cfg.mask_token_id].clone()
+        if sd["mask_hidden"].dim() == 3:
+            sd["mask_hidden"] = sd["mask_hidden"].reshape(1, -1)
+        return sd
+
+    def max_draft_tokens(self) -> int | None:
+        return self.cfg.num_depths
+
+    def propose(self, tokens, hidden, positions, counts, doc, k, cache, choose):
+        """ONE drafter pass drafts all k positions of every row."""
+        return choose(self.draft(tokens, hidden, positions, k, cache, doc=doc, counts=counts))  # [R, k], [R, k, V]
 
     def __init__(self, cfg: DraftConfig):
         if cfg.mask_token_id is None:

@@ -33,11 +33,13 @@ from ..errors import UserError
 from ..models.checkpoint import build_drafter, write_drafter
 from ..models.common import DraftConfig
 from ..models.loss import acceptance_estimate
-from ..models.peagle import choose_mask_token_id
+from ..models.registry import drafter_class
 from ..outputs import claim_dir, output_lock, write_marker
 from ..utils import fingerprint, json_safe, read_json, save_tensors, write_json, write_text_atomic
+from ..verifier import load_verifier, resolve_verifier
 from .data import OfflineSource, OnlineSource, TargetHead, epoch_plan
-from .distributed import full_state_dict, load_full_state_dict
+from .distributed import full_state_dict, load_full_state_dict, shard_fsdp
+from .plot import plot_metrics
 
 
 class TrainingError(UserError, RuntimeError):
@@ -162,6 +164,8 @@ class Trainer:
             torch.cuda.set_device(device)
         self.device = device
         self.out = Path(cfg.output)
+        self.algo = drafter_class(cfg.algorithm)  # the drafter protocol (models/common.py)
+        self.algo.resolve_train_config(cfg)  # its defaults (K) and what it refuses, before any work
         # before any work: --output must be new, empty or a training run of ours, and say what happens to it
         claim_dir(self.out, "train_run", "--output", legacy=lambda p: (p / "train_config.yaml").is_file())
         self.ds = PreparedDataset(cfg.data)
@@ -170,8 +174,6 @@ class Trainer:
             check_run_dir(self.out, cfg, self.data_identity)
         self.verifier_name = cfg.verifier or self.ds.manifest["verifier"]
         if verifier is None:
-            from ..verifier import load_verifier
-
             verifier, tokenizer = load_verifier(self.verifier_name, dtype=cfg.verifier_dtype, device=device)
         self.verifier, self.tok = verifier, tokenizer
         for p in verifier.parameters():
@@ -209,17 +211,12 @@ class Trainer:
             freqs[: len(f)] = f
             special = template_special_ids(tokenizer) if tokenizer is not None else []
             d2t, t2d = build_vocab(freqs, min(cfg.draft_vocab_size, V), V, special, fill=True)
-        mask_id = None
-        if cfg.algorithm == "peagle":
-            mask_id = choose_mask_token_id(tokenizer, V, self.ds.token_freqs()) if tokenizer is not None else V - 1
+        own = self.algo.config_overrides(cfg, tokenizer, V, self.ds.token_freqs())  # e.g. P-EAGLE's mask token
         torch.manual_seed(cfg.seed)
-        from ..verifier import resolve_verifier
-
         dcfg = DraftConfig.from_verifier(
             verifier.config, algorithm=cfg.algorithm, num_layers=cfg.num_layers, draft_vocab_size=len(d2t),
-            mask_token_id=mask_id, num_speculative_tokens=cfg.num_speculative_tokens,
-            num_depths=cfg.num_depths if cfg.algorithm == "peagle" else None,
-            aux_layer_ids=list(self.source.layer_ids), verifier=resolve_verifier(self.verifier_name))
+            num_speculative_tokens=cfg.num_speculative_tokens, aux_layer_ids=list(self.source.layer_ids),
+            verifier=resolve_verifier(self.verifier_name), **own)
         self.model = build_drafter(dcfg)
         self.model.init_from_verifier(verifier, d2t, t2d, norm=cfg.init_norm == "verifier")
         # the drafter's own copy of the verifier's embeddings (written to every checkpoint): frozen unless asked
@@ -228,11 +225,8 @@ class Trainer:
         backend = cfg.attention if cfg.attention != "auto" else ("flex" if device.startswith("cuda") else "sdpa")
         self.model.backend = backend
         self.target_head = TargetHead(verifier, draft_to_target_ids(d2t), device)
-        decay = cfg.loss_decay if cfg.loss_decay is not None else (1.0 if cfg.algorithm == "peagle" else 0.8)
-        self.train_args = ({"num_depths": cfg.num_depths, "cod_ratio": cfg.cod_ratio,
-                            "cod_ratio_min": cfg.cod_ratio_min, "loss_decay": decay}
-                           if cfg.algorithm == "peagle" else {"ttt_steps": cfg.ttt_steps, "loss_decay": decay})
-        self.num_depths = cfg.num_depths if cfg.algorithm == "peagle" else cfg.ttt_steps
+        self.train_args = self.algo.train_args(cfg)
+        self.num_depths = self.algo.scored_depths(cfg)
         self.wrapped = self._wrap(self.model)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -244,8 +238,6 @@ class Trainer:
         if not self.dist.enabled:
             return model
         if self.cfg.fsdp:
-            from .distributed import shard_fsdp
-
             return shard_fsdp(model)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -493,8 +485,6 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
         write_json(self.out / "final_metrics.json", final)
         try:
-            from .plot import plot_metrics
-
             plot_metrics(self.out / "metrics.jsonl", self.out / "training.png")
         except Exception as e:  # a plot must never lose a trained model
             print(f"[train] plot skipped: {e}")
@@ -506,9 +496,7 @@ class Trainer:
     def validate(self) -> dict:
         """Held-out per-depth accuracy (every depth at every position, no COD) and the acceptance estimate."""
         self.model.eval()
-        args = dict(self.train_args)
-        if "cod_ratio" in args:
-            args.update(cod_ratio=1.0, cod_ratio_min=1.0)
+        args = self.algo.validation_args(self.train_args)
         els, stats_acc, offset = [], None, 0
         covered = trained = 0  # trained targets whose verifier argmax is in the draft vocabulary
         plan = epoch_plan(self.val_idx, self.lengths, self.source, self.cfg.batch_tokens, 0, 0)
