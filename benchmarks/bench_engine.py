@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from paradraft.data.sources import read_humaneval
+from paradraft.data.template import encode_prompt
 from paradraft.decode.engine import Engine, GenerationConfig
-from paradraft.decode.generate import encode_prompt
 from paradraft.models.checkpoint import build_drafter, load_drafter
 from paradraft.models.common import DraftCache, DraftConfig
 from paradraft.verifier import load_verifier

@@ -1,4 +1,5 @@
-"""Run a recipe: a YAML list of paradraft commands with their flags (see recipes/). Finished steps are reused."""
+"""Run a recipe: a YAML list of paradraft commands with their flags (see recipes/), through paradraft's one
+pipeline (paradraft.pipeline.run_steps): each step reuses its output when it is already complete."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import yaml
 
 from paradraft import config as C
 from paradraft.cli import COMMANDS
+from paradraft.pipeline import run_steps
 
 
 def _fill(v, run_dir):
@@ -27,24 +29,20 @@ def main(path: str) -> None:
     t0 = time.time()
     log_path = Path(run_dir) / "recipe_log.json"
     log = json.loads(log_path.read_text()) if log_path.is_file() else []  # steps of earlier (stopped) runs too
-    for i, step in enumerate(recipe["steps"], 1):
+    steps = []
+    for step in recipe["steps"]:
         step = dict(step)
         name = step.pop("command")
-        cls, fn, _ = COMMANDS[name]
-        cfg = C.build_config(cls, None, {k.replace("-", "_"): _fill(v, run_dir) for k, v in step.items()})
-        if name == "train":
-            out = Path(cfg.output)
-            if (out / "model.safetensors").is_file():
-                print(f"[recipe] step {i} ({name} {cfg.algorithm}): {out} is trained; reusing it")
-                continue
-            cfg.resume = (out / "checkpoints").is_dir()
-        print(f"[recipe] step {i}/{len(recipe['steps'])}: {name}  (elapsed {time.time() - t0:.0f} s)", flush=True)
-        ts = time.time()
-        fn(cfg)
-        log.append({"step": i, "command": name, "output": getattr(cfg, "output", None), "seconds": time.time() - ts,
-                    "finished": time.strftime("%Y-%m-%d %H:%M:%S")})
+        cls = COMMANDS[name][0]
+        flags = {k.replace("-", "_"): _fill(v, run_dir) for k, v in step.items()}
+        steps.append((name, C.build_config(cls, None, flags)))
+    for i, step in enumerate(steps, 1):  # each step decides reuse itself (a finished step takes ~0 s)
+        print(f"[recipe] step {i}/{len(steps)}: {step[0]}  (elapsed {time.time() - t0:.0f} s)", flush=True)
+        new: list = []
+        run_steps([step], log=new)
+        log.extend(dict(r, step=i) for r in new)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_path.write_text(json.dumps(log, indent=2) + "\n")  # per-step wall times (a reused step takes ~0 s)
+        log_path.write_text(json.dumps(log, indent=2) + "\n")  # per-step wall times
     print(f"[recipe] done in {time.time() - t0:.0f} s -> {run_dir} (step times: {log_path})")
 
 

@@ -63,24 +63,20 @@ def root_cause(log: str, keep: int = 25) -> str:
 
 def short_drafters(work: Path, steps: int) -> list[Path]:
     from paradraft.config import PrepareConfig, RegenerateConfig, TrainConfig
-    from paradraft.data.prepare import prepare
-    from paradraft.data.regenerate import regenerate
-    from paradraft.train.trainer import train
+    from paradraft.pipeline import run_steps
 
     regen = work / "regenerated.jsonl"
-    regenerate(RegenerateConfig(data=["sharegpt"], output=str(regen), max_samples=48, max_new_tokens=128,
-                                max_prompt_tokens=256, batch_size=16))
-    prepare(PrepareConfig(data=[str(regen)], output=str(work / "data"), seq_length=512, val_fraction=0.1,
-                          overwrite=True))
-    out = []
+    chain = [("regenerate", RegenerateConfig(data=["sharegpt"], output=str(regen), max_samples=48, max_new_tokens=128,
+                                             max_prompt_tokens=256, batch_size=16)),
+             ("prepare", PrepareConfig(data=[str(regen)], output=str(work / "data"), seq_length=512,
+                                       val_fraction=0.1))]
     for algo in ("peagle", "eagle3"):
-        d = work / algo
-        if not (d / "model.safetensors").is_file():
-            train(TrainConfig(algorithm=algo, data=str(work / "data"), online=True, output=str(d), max_steps=steps,
-                              lr=1e-3, warmup_steps=5, batch_tokens=2048, draft_vocab_size=8192, num_depths=6,
-                              ttt_steps=3, save_every=10_000, num_speculative_tokens=3))
-        out.append(d)
-    return out
+        chain.append(("train", TrainConfig(algorithm=algo, data=str(work / "data"), online=True,
+                                           output=str(work / algo), max_steps=steps, lr=1e-3, warmup_steps=5,
+                                           batch_tokens=2048, draft_vocab_size=8192, num_depths=6, ttt_steps=3,
+                                           save_every=10_000, num_speculative_tokens=3)))
+    run_steps(chain)
+    return [work / "peagle", work / "eagle3"]
 
 
 def main() -> int:
@@ -102,7 +98,7 @@ def main() -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     from paradraft.bench.run import load_prompts
-    from paradraft.config import BenchConfig, ExportConfig
+    from paradraft.config import ExportConfig
     from paradraft.decode.engine import Engine, GenerationConfig
     from paradraft.export.vllm import export, speculative_config
     from paradraft.models.checkpoint import load_drafter
@@ -112,7 +108,7 @@ def main() -> int:
     verifier_dir = resolve_verifier("smollm2-135m")
     model, tok = load_verifier("smollm2-135m", dtype=getattr(torch, args.dtype))
     data = drafters[0].parent / "data"  # the held-out split the drafters were trained beside
-    prompts = load_prompts(BenchConfig(dataset="sharegpt-val", data=str(data), num_prompts=args.prompts), tok)
+    prompts = load_prompts("sharegpt-val", args.prompts, tok, str(data))
     eos = [tok.eos_token_id]
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "dtype": args.dtype, "k": args.k, "prompts": len(prompts),
               "max_tokens": args.max_tokens, "runs": [], "vllm_start_retries": []}

@@ -13,9 +13,9 @@ import torch
 from helpers import make_tiny_llama, make_tokenizer
 from paradraft.config import ConfigError, PrepareConfig, RegenerateConfig, build_config
 from paradraft.data.prepare import DatasetExistsError, PreparedDataset, prepare, preview
-from paradraft.data.regenerate import LocalGenerator, regenerate
 from paradraft.data.template import TemplateError, segment_conversation, template_info, tokenize_segments
 from paradraft.data.vocab import VocabError, build_vocab, draft_to_target_ids, template_special_ids
+from paradraft.regenerate import LocalGenerator, regenerate
 
 
 def masked_runs(tok, ids, mask):

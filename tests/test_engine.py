@@ -9,12 +9,12 @@ import torch
 
 from helpers import make_tiny_llama, make_tokenizer, tiny_drafter
 from paradraft.config import PrepareConfig, TrainConfig
-from paradraft.data.prepare import prepare
 from paradraft.decode.engine import Engine, GenerationConfig
 from paradraft.decode.sampling import process_logits
 from paradraft.decode.verify import greedy_accept, rejection_accept
+from paradraft.models.checkpoint import load_drafter
 from paradraft.models.common import DraftCache
-from paradraft.train.trainer import train
+from paradraft.pipeline import run_steps
 
 N_PROMPTS = 20
 
@@ -40,17 +40,15 @@ def trained(tmp_path_factory):
                                         {"role": "assistant", "content": tok.decode(o.token_ids)}]}
             for i, (q, o) in enumerate(zip(qs, outs))]
     (tmp / "regen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    prepare(PrepareConfig(data=[str(tmp / "regen.jsonl")], output=str(tmp / "data"), val_fraction=0.1,
-                          verifier="tiny"), tokenizer=tok)
-    drafters = {}
+    steps = [("prepare", PrepareConfig(data=[str(tmp / "regen.jsonl")], output=str(tmp / "data"), val_fraction=0.1,
+                                       verifier="tiny"))]
     for algo in ("peagle", "eagle3"):
-        train(TrainConfig(algorithm=algo, data=str(tmp / "data"), online=True, output=str(tmp / algo),
-                          draft_vocab_size=len(tok), max_steps=60, lr=3e-3, warmup_steps=5, batch_tokens=512,
-                          num_depths=6, ttt_steps=4, verifier="tiny", autocast="float32", save_every=1000),
-              verifier=v, tokenizer=tok)
-        from paradraft.models.checkpoint import load_drafter
-
-        drafters[algo] = load_drafter(tmp / algo, verifier=v, force=True)
+        steps.append(("train", TrainConfig(algorithm=algo, data=str(tmp / "data"), online=True, output=str(tmp / algo),
+                                           draft_vocab_size=len(tok), max_steps=60, lr=3e-3, warmup_steps=5,
+                                           batch_tokens=512, num_depths=6, ttt_steps=4, verifier="tiny",
+                                           autocast="float32", save_every=1000)))
+    run_steps(steps, verifier=v, tokenizer=tok)
+    drafters = {algo: load_drafter(tmp / algo, verifier=v, force=True) for algo in ("peagle", "eagle3")}
     return v, tok, drafters, enc
 
 

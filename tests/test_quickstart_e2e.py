@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from paradraft.quickstart import QuickstartConfig, quickstart
+from paradraft.config import QuickstartConfig
+from paradraft.quickstart import quickstart
 
 pytestmark = pytest.mark.e2e
 
@@ -28,5 +29,5 @@ def test_quickstart_runs_end_to_end_and_reuses_steps(tmp_path, capsys):
     capsys.readouterr()
     quickstart(cfg)  # the rerun reuses every finished step
     text = capsys.readouterr().out
-    assert "already holds this dataset" in text and "already trained with this config" in text
+    assert "already holds this dataset" in text and "already holds a drafter trained with these flags" in text
     assert "10 already done" in text

@@ -137,7 +137,9 @@ def test_train_never_replaces_a_finished_run_unasked(world, tmp_path, capsys):
 
     shutil.rmtree(run / "checkpoints")  # a finished drafter without checkpoints (as after copying it elsewhere)
     metrics = (run / "metrics.jsonl").read_bytes()
-    rc, _, err = run_cli(capsys, *train_args(tmp, run))
+    rc, out, _ = run_cli(capsys, *train_args(tmp, run))  # the same flags on the same data: reused, not redone
+    assert rc == 0 and "reusing it" in out
+    rc, _, err = run_cli(capsys, *train_args(tmp, run, "--lr", "0.002"))  # other flags: never replaced unasked
     assert rc == 1 and "--resume" in err and "--overwrite" in err
     rc, _, err = run_cli(capsys, *train_args(tmp, run, "--resume"))
     assert rc == 1 and "no checkpoint" in err
@@ -341,7 +343,7 @@ BAD = [  # (argv, exit code, text the one-line message must hold)
     (["train", "--cod-ratio", "1.5", "--online"], 1, "--cod-ratio must be > 0 and <= 1"),
     (["train"], 1, "--hidden-states DIR (offline) or --online"),
     (["train", "--online", "--resume", "--overwrite"], 1, "give one"),
-    (["train", "--online", "--algorithm", "medusa"], 1, "unknown drafter algorithm 'medusa'; registered: eagle3, peagle"),
+    (["train", "--online", "--algorithm", "medusa"], 1, "unknown drafter algorithm 'medusa'; registered: eagle3"),
     (["generate", "--prompt", "x", "--num-speculative-tokens", "0"], 1, "--num-speculative-tokens must be >= 1"),
     (["generate", "--prompt", "x", "--top-p", "0"], 1, "--top-p must be > 0 and <= 1"),
     (["generate", "--prompt", "x", "--temperature", "-1"], 1, "--temperature must be >= 0"),

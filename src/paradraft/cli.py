@@ -50,7 +50,7 @@ def _lazy(target: str):
 # name -> (config class, "module:function", help). The config class is the typed config the function receives.
 COMMANDS: dict[str, tuple[type, callable, str]] = {
     "prepare": (C.PrepareConfig, _lazy(".data.prepare:prepare"), "tokenize chat data with the assistant loss mask"),
-    "regenerate": (C.RegenerateConfig, _lazy(".data.regenerate:regenerate"),
+    "regenerate": (C.RegenerateConfig, _lazy(".regenerate:regenerate"),
                    "let the verifier write the answers (on-policy data)"),
     "vocab": (C.VocabConfig, _lazy(".data.vocab:vocab"), "build the draft vocabulary (d2t, t2d)"),
     "extract": (C.ExtractConfig, _lazy(".data.hidden_states:extract"),
@@ -62,19 +62,16 @@ COMMANDS: dict[str, tuple[type, callable, str]] = {
     "bench": (C.BenchConfig, _lazy(".bench.run:bench"), "acceptance length and speedup of drafters vs plain decoding"),
     "export": (C.ExportConfig, _lazy(".export.vllm:export"),
                "write a checkpoint vLLM serves; print the `vllm serve` command"),
+    "quickstart": (C.QuickstartConfig, _lazy(".quickstart:quickstart"),
+                   "run the whole workflow on the embedded verifier"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser with one subcommand per workflow step."""
-    from .quickstart import QuickstartConfig
-
-    commands = dict(COMMANDS)
-    commands["quickstart"] = (QuickstartConfig, _lazy(".quickstart:quickstart"),
-                              "run the whole workflow on the embedded verifier")
     parser = argparse.ArgumentParser(prog="paradraft", description=WORKFLOW, formatter_class=_Fmt)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (cls, _fn, help_text) in commands.items():
+    for name, (cls, _fn, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=(cls.__doc__ or help_text), formatter_class=_Fmt)
         C.add_config_args(p, cls)
         p.set_defaults(_run=(cls, _fn))

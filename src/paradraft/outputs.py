@@ -37,7 +37,7 @@ KIND_FILES: dict[str, tuple[str, ...]] = {
     "train_run": ("config.json", "model.safetensors", "provenance.json", "metrics.jsonl", "training.png",
                   "final_metrics.json", "train_config.yaml", "tensorboard", "checkpoints"),
     "quickstart": ("regenerated.jsonl", "data", "hidden_states", "peagle", "results.json", "results.png",
-                   "results.config.json", "peagle-vllm"),
+                   "results.config.json", "peagle-vllm"),  # results.config.json: written by versions before 0.2
 }
 TEMPORARIES = (".tmp-*", ".*.tmp*", ".*.final", ".old-*", ".*.lock")
 

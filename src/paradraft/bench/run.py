@@ -17,39 +17,56 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
-from ..config import BenchConfig
+from ..config import BenchConfig, config_to_dict
+from ..data.prepare import PreparedDataset
+from ..data.sources import read_humaneval
+from ..data.template import encode_prompt, stop_token_ids
 from ..decode.engine import Engine, GenerationConfig, GenerationError
-from ..decode.generate import encode_prompt, read_prompts, stop_token_ids
+from ..decode.generate import read_prompts
 from ..errors import DataError
+from ..models.checkpoint import load_drafter
 from ..outputs import check_writable
-from ..utils import write_json
+from ..utils import fingerprint, read_json, sha256_file, write_json
+from ..verifier import load_verifier
 
 
-def load_prompts(cfg: BenchConfig, tok) -> list[list[int]]:
-    """Token ids of the benchmark prompts (chat template applied, generation prompt appended)."""
-    if cfg.dataset == "humaneval":
-        from ..data.sources import read_humaneval
-
+def load_prompts(dataset: str, num_prompts: int, tok, data: str | None = None) -> list[list[int]]:
+    """Token ids of the benchmark prompts (chat template applied, generation prompt appended): `dataset` is
+    humaneval, sharegpt-val (the held-out split of the prepared `data`) or a prompts JSONL file."""
+    if dataset == "humaneval":
         recs = [{"prompt": r["messages"][0]["content"]} for r in read_humaneval()]
-        return [encode_prompt(tok, r) for r in recs[: cfg.num_prompts]]
-    if cfg.dataset == "sharegpt-val":
-        from ..data.prepare import PreparedDataset
-
-        ds = PreparedDataset(cfg.data)
+        return [encode_prompt(tok, r) for r in recs[:num_prompts]]
+    if dataset == "sharegpt-val":
+        ds = PreparedDataset(data)
         out = []
         for i in ds.indices("val"):
             ids, mask = ds.sample(int(i))
             first = int(np.argmax(mask)) if mask.any() else 0
             if first > 0:
                 out.append(ids[:first].tolist())  # system + first user turn + assistant header
-            if len(out) >= cfg.num_prompts:
+            if len(out) >= num_prompts:
                 break
         if not out:
-            raise DataError(f"--data {cfg.data} has no validation samples to use as prompts (prepare it with "
+            raise DataError(f"--data {data} has no validation samples to use as prompts (prepare it with "
                             f"--val-fraction > 0)")
         return out
-    return [encode_prompt(tok, r) for r in read_prompts(cfg.dataset)[: cfg.num_prompts]]
+    return [encode_prompt(tok, r) for r in read_prompts(dataset)[:num_prompts]]
+
+
+def bench_identity(cfg: BenchConfig) -> str:
+    """What a result was measured on: the flags (less where it is written), the prompts' source and every
+    drafter's weights and config."""
+    kept = {k: v for k, v in config_to_dict(cfg).items() if k not in ("output", "plot", "reuse")}
+    inputs = {"drafters": [[sha256_file(Path(d) / "model.safetensors") if (Path(d) / "model.safetensors").is_file()
+                            else None, fingerprint(read_json(Path(d) / "config.json"))] for d in cfg.drafter
+                           if (Path(d) / "config.json").is_file()]}
+    if cfg.dataset == "sharegpt-val":
+        inputs["data"] = PreparedDataset(cfg.data).manifest.get("identity")
+    elif Path(cfg.dataset).is_file():
+        inputs["prompts"] = sha256_file(cfg.dataset)
+    return fingerprint({"config": kept, "inputs": inputs})
 
 
 def _summ(results, wall: float) -> dict:
@@ -96,15 +113,25 @@ def _run_prompt_lookup(model, prompts, g: GenerationConfig, k: int, pad_id) -> d
 
 @torch.inference_mode()  # scoped: a global grad switch would leak into whatever runs next (e.g. training)
 def bench(cfg: BenchConfig) -> dict:
-    """Run `paradraft bench`; returns the results dict (also written to cfg.output)."""
-    from ..models.checkpoint import load_drafter
-    from ..verifier import load_verifier
-
+    """Run `paradraft bench`; returns the results dict (also written to cfg.output). With --reuse, results of
+    this exact benchmark already in --output (same identity) are shown instead of measured again."""
     check_writable(cfg.output, "--output", is_dir=False)  # before the work, not after it
     if cfg.plot:
         check_writable(cfg.plot, "--plot", is_dir=False)
+    identity = bench_identity(cfg)
+    if cfg.reuse and Path(cfg.output).is_file():
+        try:
+            old = read_json(cfg.output)
+        except ValueError:
+            old = {}
+        if old.get("identity") == identity:
+            print(f"[bench] {cfg.output} already holds this benchmark (same flags, prompts and drafters); reusing it")
+            print(format_table(old))
+            if cfg.plot and not Path(cfg.plot).is_file():
+                plot_results(old, cfg.plot)
+            return old
     model, tok = load_verifier(cfg.verifier, dtype=cfg.dtype)
-    prompts = load_prompts(cfg, tok)
+    prompts = load_prompts(cfg.dataset, cfg.num_prompts, tok, cfg.data)
     eos = stop_token_ids(tok)
     drafters = []
     for path in cfg.drafter:
@@ -127,8 +154,6 @@ def bench(cfg: BenchConfig) -> dict:
     runs: dict[tuple, list[dict]] = {(m, p, k): [] for m, p, _, k in methods}
     warm = GenerationConfig(max_new_tokens=8, eos_token_ids=eos)
     _run_engine(engines[None], prompts[:1], warm)
-    from tqdm import tqdm
-
     bar = tqdm(total=cfg.repeats * len(methods), desc="bench", unit="run", disable=None)
     for rep in range(cfg.repeats):  # interleaved: every method once per repeat
         for m, path, _d, k in methods:
@@ -157,7 +182,8 @@ def bench(cfg: BenchConfig) -> dict:
         })
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "verifier": cfg.verifier, "dataset": cfg.dataset,
            "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-           "dtype": cfg.dtype, "repeats": cfg.repeats, "threads": torch.get_num_threads(), "results": results}
+           "dtype": cfg.dtype, "repeats": cfg.repeats, "threads": torch.get_num_threads(), "identity": identity,
+           "results": results}
     write_json(cfg.output, out)
     print(format_table(out))
     if cfg.plot:

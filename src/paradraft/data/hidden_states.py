@@ -26,6 +26,8 @@ from ..config import parse_shard
 from ..errors import UserError
 from ..outputs import check_replaceable, claim_dir, write_marker
 from ..utils import read_json, save_tensors, sha256_file, write_json
+from ..verifier import decoder_layers, default_aux_layers, load_verifier
+from .prepare import PreparedDataset
 
 FORMAT = "paradraft-hidden-states-v1"
 
@@ -42,8 +44,6 @@ class Tap:
     """Capture aux hidden states (inputs of chosen decoder layers) and the pre-norm last hidden state."""
 
     def __init__(self, model, layer_ids: list[int]):
-        from ..verifier import decoder_layers
-
         layers = decoder_layers(model)
         L = len(layers)
         bad = [i for i in layer_ids if not 0 <= i < L]
@@ -77,8 +77,6 @@ class Tap:
 
 def resolve_layers(num_layers: int, layers: list[int] | None) -> list[int]:
     """Aux layer ids: given, or the EAGLE-3 default [2, L//2, L-3]."""
-    from ..verifier import default_aux_layers
-
     return list(layers) if layers else default_aux_layers(num_layers)
 
 
@@ -139,8 +137,6 @@ def _bytes_per_token(H: int, n_layers: int, dtype: torch.dtype) -> int:
 
 def extract(cfg, model=None, tokenizer=None) -> dict:
     """Run `paradraft extract` (or `--validate`). Returns the manifest (or validation report)."""
-    from .prepare import PreparedDataset
-
     out = Path(cfg.output)
     if cfg.validate:
         return validate(out)
@@ -149,8 +145,6 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
     verifier_name = cfg.verifier or ds.manifest["verifier"]
     dtype = getattr(torch, cfg.dtype)
     if model is None:
-        from ..verifier import load_verifier
-
         model, tokenizer = load_verifier(verifier_name, dtype=dtype, device=cfg.device)
     L, H = model.config.num_hidden_layers, model.config.hidden_size
     layer_ids = resolve_layers(L, cfg.layers)

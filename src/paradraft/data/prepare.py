@@ -24,6 +24,7 @@ from ..config import PrepareConfig, config_to_dict
 from ..errors import DataError, UserError
 from ..outputs import check_replaceable, claim_dir, output_lock, replace_dir
 from ..utils import fingerprint, read_json, write_json
+from ..verifier import load_tokenizer
 from .sources import Skip, read_source, source_fingerprint
 from .template import TemplateError, segment_conversation, set_chat_template, template_info, tokenize_segments
 
@@ -57,8 +58,6 @@ def prepare(cfg: PrepareConfig, tokenizer=None) -> dict:
     out = Path(cfg.output)
     claim_dir(out, "dataset", "--output", legacy=_legacy_dataset)  # before any work: a foreign dir is refused
     if tokenizer is None:
-        from ..verifier import load_tokenizer
-
         tokenizer = load_tokenizer(cfg.verifier)
     set_chat_template(tokenizer, cfg.chat_template)
     info = template_info(tokenizer)

@@ -132,3 +132,25 @@ def tokenize_segments(tokenizer, convs_segments: list[list[tuple[str, bool]]], l
             mask.extend([1 if on else 0] * len(toks))
         out.append((ids, mask))
     return out
+
+
+def encode_prompt(tokenizer, rec: dict) -> list[int]:
+    """Token ids of a prompt record through the chat template (generation prompt appended)."""
+    msgs = rec.get("messages") or [{"role": "user", "content": rec["prompt"]}]
+    if msgs and msgs[-1].get("role") == "assistant":
+        msgs = msgs[:-1]
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Tokens that end an answer: EOS and the chat template's end-of-turn token (e.g. <|im_end|>, <|eot_id|>)."""
+    ids = {tokenizer.eos_token_id}
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            ids.add(tokenizer.convert_tokens_to_ids(template_info(tokenizer).end_of_turn))
+        except TemplateError:
+            pass
+    return sorted(t for t in ids if t is not None)

@@ -17,7 +17,9 @@ from ..config import VocabConfig
 from ..errors import UserError
 from ..outputs import OutputError, check_writable
 from ..utils import read_json, save_tensors, write_json
-from .template import special_token_strings
+from ..verifier import load_tokenizer
+from .prepare import PreparedDataset
+from .template import PROBE_ANSWER, PROBE_USER, special_token_strings
 
 
 class VocabError(UserError, ValueError):
@@ -26,8 +28,6 @@ class VocabError(UserError, ValueError):
 
 def template_special_ids(tokenizer) -> list[int]:
     """Ids of the special tokens the chat template emits (plus EOS): these must be draftable."""
-    from .template import PROBE_ANSWER, PROBE_USER
-
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
@@ -120,9 +120,6 @@ def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def vocab(cfg: VocabConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `paradraft vocab`."""
-    from ..verifier import load_tokenizer
-    from .prepare import PreparedDataset
-
     check_writable(cfg.output, "--output", is_dir=False)
     sets = [PreparedDataset(p) for p in cfg.data]
     verifier = cfg.verifier or sets[0].manifest["verifier"]

@@ -10,9 +10,12 @@ from pathlib import Path
 import torch
 
 from ..config import GenerateConfig
+from ..data.template import encode_prompt, stop_token_ids
 from ..errors import UserError
+from ..models.checkpoint import load_drafter
 from ..outputs import check_writable
 from ..utils import write_text_atomic
+from ..verifier import load_verifier
 from .engine import Engine, GenerationConfig
 
 
@@ -44,35 +47,8 @@ def read_prompts(path: str | Path) -> list[dict]:
     return out
 
 
-def encode_prompt(tokenizer, rec: dict) -> list[int]:
-    """Token ids of a prompt record through the chat template (generation prompt appended)."""
-    msgs = rec.get("messages") or [{"role": "user", "content": rec["prompt"]}]
-    if msgs and msgs[-1].get("role") == "assistant":
-        msgs = msgs[:-1]
-    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
-def stop_token_ids(tokenizer) -> list[int]:
-    """Tokens that end an answer: EOS and the chat template's end-of-turn token (e.g. <|im_end|>, <|eot_id|>)."""
-    ids = {tokenizer.eos_token_id}
-    if getattr(tokenizer, "chat_template", None):
-        from ..data.template import TemplateError, template_info
-
-        try:
-            ids.add(tokenizer.convert_tokens_to_ids(template_info(tokenizer).end_of_turn))
-        except TemplateError:
-            pass
-    return sorted(t for t in ids if t is not None)
-
-
 def load_engine(verifier_name: str, drafter: str | None, dtype: str, force: bool = False, max_len: int = 4096):
     """(engine, tokenizer) ready to generate."""
-    from ..models.checkpoint import load_drafter
-    from ..verifier import load_verifier
-
     model, tok = load_verifier(verifier_name, dtype=dtype)
     d = None
     if drafter:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..verifier import check_tappable
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -21,8 +23,6 @@ class VerifierRunner:
     """Batched incremental forward of a HF causal LM with per-row lengths."""
 
     def __init__(self, model, aux_layer_ids: list[int] | None = None, max_batch: int = 1, max_len: int = 4096):
-        from ..verifier import check_tappable
-
         check_tappable(model)
         self.model = model
         self.inner = model.model

@@ -12,6 +12,7 @@ from ..config import ExportConfig
 from ..models.checkpoint import CheckpointError, legacy_drafter, load_drafter, save_drafter
 from ..models.registry import drafter_class
 from ..outputs import claim_dir
+from ..verifier import load_verifier, resolve_verifier
 
 
 def speculative_config(drafter_dir: str, algorithm: str, k: int) -> dict:
@@ -29,8 +30,6 @@ def serve_command(verifier_path: str, drafter_dir: str, algorithm: str, k: int) 
 
 def export(cfg: ExportConfig) -> Path:
     """Run `paradraft export`; returns the output directory."""
-    from ..verifier import load_verifier, resolve_verifier
-
     claim_dir(cfg.output, "drafter", "--output", legacy=legacy_drafter)  # before any work
     if Path(cfg.output).resolve() == Path(cfg.drafter).resolve():
         raise CheckpointError(f"--output {cfg.output} is the drafter being exported; choose another --output")

@@ -23,9 +23,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from .. import __version__
 from ..errors import UserError
 from ..outputs import claim_dir, output_lock, replace_dir
 from ..utils import read_json, save_tensors, write_json
+from ..verifier import default_aux_layers
 from .common import DraftConfig, DraftModel
 from .registry import algorithms, drafter_class
 
@@ -80,8 +82,6 @@ def _git_sha() -> str | None:
 def provenance(extra: dict | None = None) -> dict:
     """Command, versions and git SHA of the run that wrote a checkpoint."""
     import transformers
-
-    from .. import __version__
 
     return {"command": " ".join(sys.argv), "paradraft": __version__, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": sys.version.split()[0], "git_sha": _git_sha(),
@@ -275,8 +275,6 @@ def load_drafter(path: str | Path, verifier=None, verifier_name: str | None = No
     if verifier is not None:
         check_compatible(cfg, verifier.config, verifier_name, force)
         if not cfg.aux_layer_ids:
-            from ..verifier import default_aux_layers
-
             cfg.aux_layer_ids = default_aux_layers(verifier.config.num_hidden_layers)
     if "embed_tokens.weight" not in sd:
         if verifier is not None:

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data.vocab import draft_to_target_ids
+from ..verifier import SUPPORTED_ARCHITECTURES, default_aux_layers
 from .attention import Elements, attention
 
 
@@ -59,8 +61,6 @@ class DraftConfig:
     @classmethod
     def from_verifier(cls, vcfg, **overrides) -> "DraftConfig":
         """Draft config following a verifier's HF config (heads, KV heads, head_dim, rope, eps)."""
-        from ..verifier import SUPPORTED_ARCHITECTURES, default_aux_layers
-
         mtype = getattr(vcfg, "model_type", "llama")
         rope = getattr(vcfg, "rope_parameters", None) or {"rope_type": "default",
                                                          "rope_theta": getattr(vcfg, "rope_theta", 10000.0)}
@@ -347,8 +347,6 @@ class DraftModel(nn.Module):
         SmolLM2 it averages 1.8 and ranges -2.1..3.3); the default keeps the fresh norm's ones, which measured
         the same on the embedded verifier (`paradraft train --init-norm`).
         """
-        from ..data.vocab import draft_to_target_ids
-
         with torch.no_grad():
             if norm:
                 final_norm = getattr(getattr(verifier, "model", verifier), "norm", None)

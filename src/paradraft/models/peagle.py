@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
+from ..data.vocab import template_special_ids
 from .attention import Elements
 from .common import DraftCache, DraftConfig, DraftModel
 from .loss import SlotBatch, depth_reduce, draft_loss
@@ -62,8 +63,6 @@ def choose_mask_token_id(tokenizer, vocab_size: int, token_freqs=None) -> int:
     n = len(tokenizer)
     if vocab_size > n:
         return n
-    from ..data.vocab import template_special_ids
-
     used = set(template_special_ids(tokenizer)) | {
         t for t in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id)
         if t is not None}

@@ -46,11 +46,11 @@ class TrainingError(UserError, RuntimeError):
     """Training cannot go on (non-finite loss, bad inputs)."""
 
 
-def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
+def lr_at(step: int, warmup_steps: int, total: int) -> float:
     """Learning-rate multiplier: linear warmup, then cosine from 1 to 0.1 at `total` steps."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / max(1, cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    if step < warmup_steps:
+        return (step + 1) / max(1, warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -169,7 +169,7 @@ class Trainer:
         # before any work: --output must be new, empty or a training run of ours, and say what happens to it
         claim_dir(self.out, "train_run", "--output", legacy=lambda p: (p / "train_config.yaml").is_file())
         self.ds = PreparedDataset(cfg.data)
-        self.data_identity = fingerprint(self.ds.manifest.get("identity") or self.ds.manifest)
+        self.data_identity = dataset_identity(cfg.data)
         if self.dist.main:
             check_run_dir(self.out, cfg, self.data_identity)
         self.verifier_name = cfg.verifier or self.ds.manifest["verifier"]
@@ -357,6 +357,35 @@ class Trainer:
         old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
         return old
 
+    def train_step(self, packs: list, lr: float) -> tuple[float, dict, int, float]:
+        """One optimizer step over this process's packed sequences (gradient accumulation over `packs`).
+        -> (mean loss, summed per-depth stats, slots trained, gradient norm before clipping)."""
+        cfg = self.cfg
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        loss_sum, stats_acc, n_tok = 0.0, None, 0
+        for micro, pack in enumerate(packs):
+            # COD draws depend only on (seed, epoch, global pack index): the same elements whichever process
+            # trains the pack, so DDP with N ranks equals one process with N x grad_accum
+            g_idx = self.pack_pos + self.dist.rank * cfg.grad_accum + micro
+            self.gen.manual_seed(cfg.seed * 1_000_003 + self.epoch * 100_003 + g_idx)
+            b = self.target_head.slot_batch(self.source.get(pack))
+            n_tok += len(b)
+            with torch.autocast(self.device.split(":")[0], dtype=getattr(torch, cfg.autocast),
+                                enabled=cfg.autocast != "float32"):
+                loss, stats = self.wrapped(b, generator=self.gen, **self.train_args)
+            if not torch.isfinite(loss):
+                raise TrainingError(f"non-finite loss {float(loss.detach())} at step {self.step} (lr {lr:.2e}); "
+                                    f"the last good checkpoint is kept in {self.ckpt_dir}")
+            (loss / cfg.grad_accum).backward()
+            loss_sum += float(loss.detach()) / cfg.grad_accum
+            stats_acc = _merge(stats_acc, stats)
+        gnorm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                               cfg.max_grad_norm)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss_sum, stats_acc, n_tok, float(gnorm)
+
     def train(self) -> dict:
         """Run training to the end (or to a signal); returns the final metrics."""
         if not self.dist.main:
@@ -404,31 +433,8 @@ class Trainer:
                     continue
                 mine = plan[self.pack_pos + self.dist.rank * cfg.grad_accum:
                             self.pack_pos + (self.dist.rank + 1) * cfg.grad_accum]
-                lr = cfg.lr * lr_at(self.step, cfg, total)
-                for g in self.opt.param_groups:
-                    g["lr"] = lr
-                loss_sum, stats_acc, n_tok = 0.0, None, 0
-                for micro, pack in enumerate(mine):
-                    # COD draws depend only on (seed, epoch, global pack index): the same elements whichever
-                    # process trains the pack, so DDP with N ranks equals one process with N x grad_accum
-                    g_idx = self.pack_pos + self.dist.rank * cfg.grad_accum + micro
-                    self.gen.manual_seed(cfg.seed * 1_000_003 + self.epoch * 100_003 + g_idx)
-                    b = self.target_head.slot_batch(self.source.get(pack))
-                    n_tok += len(b)
-                    with torch.autocast(self.device.split(":")[0], dtype=getattr(torch, cfg.autocast),
-                                        enabled=cfg.autocast != "float32"):
-                        loss, stats = self.wrapped(b, generator=self.gen, **self.train_args)
-                    if not torch.isfinite(loss):
-                        raise TrainingError(f"non-finite loss {float(loss.detach())} at step {self.step} "
-                                            f"(lr {lr:.2e}); "
-                                            f"the last good checkpoint is kept in {self.ckpt_dir}")
-                    (loss / cfg.grad_accum).backward()
-                    loss_sum += float(loss.detach()) / cfg.grad_accum
-                    stats_acc = _merge(stats_acc, stats)
-                gnorm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
-                                                       cfg.max_grad_norm)
-                self.opt.step()
-                self.opt.zero_grad(set_to_none=True)
+                lr = cfg.lr * lr_at(self.step, cfg.warmup_steps, total)
+                loss_sum, stats_acc, n_tok, gnorm = self.train_step(mine, lr)
                 self.step += 1
                 self.pack_pos += per_step
                 tok_count += n_tok * self.dist.world
@@ -478,7 +484,8 @@ class Trainer:
         try:
             write_drafter(self.model, tmp, state_dict=state_dict,
                           extra_provenance={"train_config": config_to_dict(self.cfg), "final": final,
-                                            "data_identity": self.data_identity})
+                                            "data_identity": self.data_identity,
+                                            "train_identity": train_identity(self.cfg, self.data_identity)})
             for f in ("model.safetensors", "provenance.json", "config.json"):  # config.json last
                 os.replace(tmp / f, self.out / f)
         finally:
@@ -546,6 +553,59 @@ def _merge(acc: dict | None, stats: dict) -> dict:
     return acc
 
 
+# flags that do not change what a finished run produced (where files are, how often it saved and logged)
+IDENTITY_IGNORES = ("resume", "overwrite", "device", "output", "data", "hidden_states", "save_every",
+                    "keep_checkpoints", "log_every", "attention")
+
+
+def dataset_identity(data: str) -> str:
+    """The identity of a prepared dataset (what its manifest records), as checkpoints and runs store it."""
+    manifest = PreparedDataset(data).manifest
+    return fingerprint(manifest.get("identity") or manifest)
+
+
+def train_identity(cfg: TrainConfig, data_identity: str) -> str:
+    """What a finished run was made from: its resolved flags (less IDENTITY_IGNORES) and its dataset."""
+    kept = {k: v for k, v in config_to_dict(cfg).items() if k not in IDENTITY_IGNORES}
+    return fingerprint({"config": kept, "data": data_identity})
+
+
+def finished_run(cfg: TrainConfig) -> dict | None:
+    """The final metrics of a finished run in cfg.output made with these flags on this data, else None."""
+    out = Path(cfg.output)
+    if not ((out / "model.safetensors").is_file() and (out / "config.json").is_file()):
+        return None
+    try:
+        prov = read_json(out / "provenance.json")
+    except (OSError, ValueError):
+        return None
+    drafter_class(cfg.algorithm).resolve_train_config(cfg)
+    if prov.get("train_identity") != train_identity(cfg, dataset_identity(cfg.data)):
+        return None
+    return prov.get("final") or {}
+
+
+def can_resume(cfg: TrainConfig) -> bool:
+    """Whether cfg.output holds a checkpoint this config may continue (same flags but those RESUME_MAY_CHANGE,
+    same data): what a pipeline that owns the run directory asks before choosing --resume or --overwrite."""
+    found = checkpoints_in(Path(cfg.output))
+    if not found:
+        return False
+    try:
+        state = read_json(found[-1] / "state.json")
+    except (OSError, ValueError):
+        return False
+    drafter_class(cfg.algorithm).resolve_train_config(cfg)
+    return not resume_problems(state, cfg, dataset_identity(cfg.data))
+
+
 def train(cfg: TrainConfig, verifier=None, tokenizer=None) -> dict:
-    """Run `paradraft train`."""
+    """Run `paradraft train`: a finished run with these flags on this data is reused (unless --overwrite);
+    otherwise train (see Trainer). Returns the final metrics."""
+    if not cfg.overwrite and not cfg.resume:
+        done = finished_run(cfg)
+        if done is not None:
+            print(f"[train] {cfg.output} already holds a drafter trained with these flags on this data; reusing it "
+                  f"(--overwrite trains it anew)")
+            return done
     return Trainer(cfg, verifier, tokenizer).train()

@@ -19,10 +19,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..config import RegenerateConfig
-from ..errors import UserError
-from ..outputs import OutputError, check_writable, output_lock
-from .sources import Skip, read_source
+from .config import RegenerateConfig
+from .data.sources import Skip, read_source
+from .data.template import encode_prompt, stop_token_ids
+from .decode.engine import Engine, GenerationConfig
+from .errors import UserError
+from .outputs import OutputError, check_writable, output_lock
+from .verifier import load_tokenizer, load_verifier
 
 
 class EndpointError(UserError, RuntimeError):
@@ -59,14 +62,15 @@ def done_ids(path: Path) -> set[str]:
     return {json.loads(ln)["id"] for ln in complete if ln.strip()}
 
 
-def chat_endpoint(url: str, model: str, messages: list[dict], cfg: RegenerateConfig) -> tuple[str, bool]:
+def chat_endpoint(url: str, model: str, messages: list[dict], max_tokens: int, temperature: float = 0.0,
+                  top_p: float = 1.0, seed: int = 0, timeout: float = 300.0) -> tuple[str, bool]:
     """One chat completion from an OpenAI-compatible server -> (answer, cut at max_tokens)."""
-    body = {"model": model, "messages": messages, "max_tokens": cfg.max_new_tokens,
-            "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
+            "temperature": temperature, "top_p": top_p, "seed": seed}
     req = urllib.request.Request(url.rstrip("/") + "/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=cfg.timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             reply = json.loads(resp.read())
     except urllib.error.HTTPError as e:
         raise EndpointError(f"{url}: HTTP {e.code}: {e.read()[:300]!r}") from None
@@ -83,12 +87,7 @@ class LocalGenerator:
     """Batched generation with the verifier itself, through paradraft's engine (greedy or sampled)."""
 
     def __init__(self, cfg: RegenerateConfig, model=None, tokenizer=None):
-        from ..decode.engine import Engine, GenerationConfig
-        from ..decode.generate import stop_token_ids
-
         if model is None:
-            from ..verifier import load_verifier
-
             model, tokenizer = load_verifier(cfg.verifier, dtype=cfg.dtype)
         self.tok, self.cfg = tokenizer, cfg
         self.engine = Engine(model, max_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 16)
@@ -99,8 +98,6 @@ class LocalGenerator:
     @torch.inference_mode()
     def __call__(self, conversations: list[list[dict]]) -> list[tuple[str, bool]]:
         """Answers to conversations: (text, truncated = stopped by the length limit, not by a stop token)."""
-        from ..decode.generate import encode_prompt
-
         ids = [encode_prompt(self.tok, {"messages": m})[-self.cfg.max_prompt_tokens:] for m in conversations]
         self.gcfg.seed = self.cfg.seed + self.calls
         self.calls += 1
@@ -129,9 +126,6 @@ def _regenerate(cfg: RegenerateConfig, out: Path, generator) -> dict:
                 convs.append(item)
     random.Random(cfg.seed).shuffle(convs)
     # the first user turn (with any system turn) must fit --max-prompt-tokens: longer prompts are skipped, counted
-    from ..decode.generate import encode_prompt
-    from ..verifier import load_tokenizer
-
     tok = getattr(generator, "tok", None)
     if tok is None:
         try:
@@ -158,7 +152,9 @@ def _regenerate(cfg: RegenerateConfig, out: Path, generator) -> dict:
             pool = ThreadPoolExecutor(max_workers=max(1, cfg.batch_size))
 
             def generator(batch):
-                return list(pool.map(lambda m: chat_endpoint(cfg.endpoint, model, m, cfg), batch))
+                return list(pool.map(lambda m: chat_endpoint(cfg.endpoint, model, m, cfg.max_new_tokens,
+                                                             cfg.temperature, cfg.top_p, cfg.seed, cfg.timeout),
+                                     batch))
         else:
             generator = LocalGenerator(cfg)
     tok_count = getattr(getattr(generator, "tok", None), "encode", None)
