@@ -35,21 +35,30 @@ def json_safe(obj):
     return obj
 
 
-def write_json(path: str | Path, obj, indent: int = 2) -> None:
-    """Write standard JSON (non-finite floats as null) atomically (temp file in the same dir, then rename)."""
+@contextlib.contextmanager
+def atomic_path(path: str | Path):
+    """Yield a temporary path beside `path`; when the block succeeds it gets the umask's mode (mkstemp and
+    safetensors make 0600 files, which a vLLM server running as another user could not read) and is renamed to
+    `path` in one step. A failure or a kill leaves `path` as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(json_safe(obj), fh, indent=indent, allow_nan=False)
-            fh.write("\n")
-        honour_umask(tmp)  # mkstemp makes 0600; outputs follow the umask (a vLLM server may run as another user)
+        yield tmp
+        honour_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_json(path: str | Path, obj, indent: int = 2) -> None:
+    """Write standard JSON (non-finite floats as null) atomically."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(json_safe(obj), fh, indent=indent, allow_nan=False)
+        fh.write("\n")
 
 
 def read_json(path: str | Path):
@@ -73,34 +82,14 @@ def fingerprint(obj) -> str:
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write a text file atomically (temp file beside it, then rename), honouring the umask."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        honour_umask(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """Write a text file atomically."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
 
 
 def save_tensors(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
-    """safetensors file written beside `path` and renamed, with the umask's mode (safetensors itself makes
-    0600 files, which a vLLM server running as another user could not read)."""
+    """Write a safetensors file atomically."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         save_file(tensors, tmp, metadata=metadata)
-        honour_umask(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
