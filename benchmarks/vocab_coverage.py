@@ -13,11 +13,10 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from paradraft.data.prepare import PreparedDataset
-from paradraft.data.vocab import build_vocab, template_special_ids
+from paradraft.data.vocab import draft_vocabulary
 from paradraft.train.data import OfflineSource, TargetHead
 from paradraft.verifier import load_verifier
 
@@ -37,13 +36,10 @@ def main() -> None:
     head = TargetHead(model, torch.arange(8), "cpu")  # only its full-vocabulary argmax is used here
     b = head.slot_batch(src.get(val))
     targets = b.target_ids[b.valid]  # [n] verifier argmax at every held-out trained slot
-    freqs = np.zeros(V, dtype=np.int64)
-    f = ds.token_freqs()[:V]
-    freqs[: len(f)] = f
-    special = template_special_ids(tok)
+    freqs = ds.token_freqs()[:V]
     rows = []
     for size in (int(s) for s in a.sizes.split(",")):
-        _, t2d = build_vocab(freqs, min(size, V), V, special, fill=True)
+        _, t2d = draft_vocabulary(freqs, size, V, tok, fill=True)
         rows.append({"draft_vocab_size": size, "coverage": float(t2d[targets].float().mean())})
         print(f"draft vocab {size:6d}: {rows[-1]['coverage']:.1%} of held-out verifier targets")
     out = {"benchmark": "vocab_coverage", "date": time.strftime("%Y-%m-%d"), "data": a.data,

@@ -17,10 +17,10 @@ from paradraft.data.hidden_states import (
     HiddenStates,
     NotEnoughDiskError,
     OnlineHiddenStates,
-    Tap,
     extract,
 )
 from paradraft.data.prepare import PreparedDataset, prepare
+from paradraft.verifier import Tap, VerifierError
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_layer_convention_matches_hf_output_hidden_states_and_logits():
         torch.testing.assert_close(aux[..., j * H:(j + 1) * H], ref.hidden_states[layer])
     logits = model.lm_head(model.model.norm(last))  # the verifier's logits, recomputed exactly
     torch.testing.assert_close(logits, ref.logits)
-    with pytest.raises(HiddenStateError, match="out of range"):
+    with pytest.raises(VerifierError, match="out of range"):
         Tap(model, [2, 8])
 
 

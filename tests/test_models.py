@@ -13,8 +13,9 @@ from paradraft.data.vocab import build_vocab
 from paradraft.models.attention import Elements, attention, dense_mask, flex_mask_mod, parallel_draft_mask
 from paradraft.models.checkpoint import CheckpointError, build_drafter, check_compatible, load_drafter, save_drafter
 from paradraft.models.common import DraftCache, DraftConfig
-from paradraft.models.loss import pack_slots, slots_from_sample, verifier_targets
+from paradraft.models.loss import pack_slots, slots_from_sample
 from paradraft.models.peagle import cod_sample
+from paradraft.verifier import VerifierHead
 
 # ------------------------------------------------------------------------------------------- the mask rule
 
@@ -231,8 +232,7 @@ def test_targets_and_slots_from_verifier():
         h = verifier.model.norm.register_forward_hook(lambda m, i, o: pre.append(i[0]))
         verifier(ids)
         h.remove()
-    tp, tid = verifier_targets(pre[0][0], verifier.model.norm.weight, verifier.config.rms_norm_eps,
-                               verifier.lm_head.weight, d2t + torch.arange(60))
+    tp, tid = VerifierHead(verifier).targets(pre[0][0], d2t + torch.arange(60))
     assert torch.equal(tid, out.logits[0].argmax(-1))
     ref = torch.softmax(out.logits[0][:, d2t + torch.arange(60)], -1)
     torch.testing.assert_close(tp, ref, atol=1e-5, rtol=1e-4)

@@ -26,7 +26,7 @@ from ..config import parse_shard
 from ..errors import UserError
 from ..outputs import check_replaceable, claim_dir, write_marker
 from ..utils import read_json, save_tensors, sha256_file, write_json
-from ..verifier import decoder_layers, default_aux_layers, load_verifier
+from ..verifier import Tap, compute_samples, default_aux_layers, load_verifier
 from .prepare import PreparedDataset
 
 FORMAT = "paradraft-hidden-states-v1"
@@ -40,41 +40,6 @@ class NotEnoughDiskError(HiddenStateError):
     """The output disk lacks room for the extraction."""
 
 
-class Tap:
-    """Capture aux hidden states (inputs of chosen decoder layers) and the pre-norm last hidden state."""
-
-    def __init__(self, model, layer_ids: list[int]):
-        layers = decoder_layers(model)
-        L = len(layers)
-        bad = [i for i in layer_ids if not 0 <= i < L]
-        if bad:
-            raise HiddenStateError(f"layer ids {bad} out of range for a {L}-layer verifier (valid: 0..{L - 1})")
-        self.model, self.layer_ids = model, list(layer_ids)
-        self.captured: dict = {}
-        self.handles = []
-        for i in sorted(set(layer_ids)):
-            self.handles.append(layers[i].register_forward_pre_hook(self._pre(i), with_kwargs=True))
-        self.handles.append(model.model.norm.register_forward_pre_hook(self._pre("last"), with_kwargs=True))
-
-    def _pre(self, key):
-        def hook(module, args, kwargs):
-            x = args[0] if args else kwargs["hidden_states"]
-            self.captured[key] = x
-        return hook
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-    @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        """input_ids [B, S] -> (aux [B, S, 3H], last [B, S, H]); runs the decoder stack only (no lm_head)."""
-        self.captured = {}
-        self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        aux = torch.cat([self.captured[i] for i in self.layer_ids], dim=-1)
-        return aux, self.captured["last"]
-
-
 def resolve_layers(num_layers: int, layers: list[int] | None) -> list[int]:
     """Aux layer ids: given, or the EAGLE-3 default [2, L//2, L-3]."""
     return list(layers) if layers else default_aux_layers(num_layers)
@@ -84,41 +49,6 @@ def trained_cut(loss_mask: np.ndarray) -> int:
     """Length of a sample that keeps every position training reads (through the last trained token)."""
     idx = np.nonzero(loss_mask)[0]
     return int(idx[-1]) + 1 if len(idx) else 0
-
-
-def batches_by_tokens(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Group indices (sorted by length, longest first) so that batch size x longest length <= batch_tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    out, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    return out
-
-
-def compute_samples(tap: Tap, samples: list[tuple[np.ndarray, np.ndarray]], batch_tokens: int, device="cpu",
-                    pad_id: int = 0) -> list[dict]:
-    """Run the verifier on samples [(ids [T], mask [T])] -> per sample {input_ids, loss_mask, aux, last} (CPU)."""
-    out: list[dict | None] = [None] * len(samples)
-    for group in batches_by_tokens([len(s[0]) for s in samples], batch_tokens):
-        S = max(len(samples[i][0]) for i in group)
-        ids = torch.full((len(group), S), pad_id, dtype=torch.long)
-        att = torch.zeros((len(group), S), dtype=torch.long)
-        for r, i in enumerate(group):  # right padding: causal attention keeps real positions exact
-            n = len(samples[i][0])
-            ids[r, :n] = torch.from_numpy(samples[i][0])
-            att[r, :n] = 1
-        aux, last = tap(ids.to(device), att.to(device))
-        for r, i in enumerate(group):
-            n = len(samples[i][0])
-            out[i] = {"input_ids": torch.from_numpy(samples[i][0]).to(torch.int32),
-                      "loss_mask": torch.from_numpy(samples[i][1].astype(np.uint8)),
-                      "aux": aux[r, :n].cpu(), "last": last[r, :n].cpu()}
-    return out  # type: ignore[return-value]
 
 
 def _shard_name(k: int) -> str:

@@ -17,7 +17,7 @@ from ..config import VocabConfig
 from ..errors import UserError
 from ..outputs import OutputError, check_writable
 from ..utils import read_json, save_tensors, write_json
-from ..verifier import load_tokenizer
+from ..verifier import embedding_rows, load_tokenizer
 from .prepare import PreparedDataset
 from .template import PROBE_ANSWER, PROBE_USER, special_token_strings
 
@@ -76,6 +76,20 @@ def build_vocab(freqs: np.ndarray, size: int, target_vocab_size: int, always: li
     return d2t, t2d
 
 
+def draft_vocabulary(token_freqs, size: int, rows: int, tokenizer=None,
+                     fill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """THE draft-vocabulary rule (used by `vocab`, `train` and the coverage benchmark): the `size` most frequent
+    trained tokens plus the special tokens the chat template emits, over a verifier embedding of `rows` rows
+    (a padded vocabulary has more rows than the tokenizer has tokens; d2t / t2d are sized to the rows, as vLLM
+    reads them). token_freqs: counts of any length (from one or more prepared datasets, summed by the caller).
+    -> (d2t int64 [min(size, rows)], t2d bool [rows])."""
+    freqs = np.zeros(rows, dtype=np.int64)
+    f = np.asarray(token_freqs)[:rows]
+    freqs[: len(f)] = f
+    special = template_special_ids(tokenizer) if tokenizer is not None else []
+    return build_vocab(freqs, min(size, rows), rows, always=special, fill=fill)
+
+
 def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
     """Target ids of the draft vocabulary [draft_vocab]."""
     return d2t + torch.arange(len(d2t), device=d2t.device, dtype=d2t.dtype)
@@ -124,15 +138,17 @@ def vocab(cfg: VocabConfig) -> tuple[torch.Tensor, torch.Tensor]:
     sets = [PreparedDataset(p) for p in cfg.data]
     verifier = cfg.verifier or sets[0].manifest["verifier"]
     tok = load_tokenizer(verifier)
-    vsize = max(len(tok), *(d.manifest["vocab_size"] for d in sets))
-    freqs = np.zeros(vsize, dtype=np.int64)
+    rows = embedding_rows(verifier)  # the verifier's embedding, not the tokenizer: padded vocabularies differ
+    freqs = np.zeros(max(rows, *(len(d.token_freqs()) for d in sets)), dtype=np.int64)
     for d in sets:
         f = d.token_freqs()
         freqs[:len(f)] += f
-    special = template_special_ids(tok)
-    d2t, t2d = build_vocab(freqs, cfg.size, vsize, always=special, fill=cfg.fill)
+    if cfg.size > rows:
+        raise VocabError(f"--size {cfg.size} is larger than the verifier's {rows}-token vocabulary")
+    d2t, t2d = draft_vocabulary(freqs, cfg.size, rows, tok, fill=cfg.fill)
+    freqs = freqs[:rows]
     covered = float(freqs[t2d.numpy()].sum() / max(1, freqs.sum()))
     save_vocab(cfg.output, d2t, t2d, {"verifier": verifier, "sources": ",".join(cfg.data),
                                       "coverage": round(covered, 6)})
-    print(f"[vocab] {cfg.size} draft tokens of {vsize}; they cover {covered:.2%} of trained tokens -> {cfg.output}")
+    print(f"[vocab] {cfg.size} draft tokens of {rows}; they cover {covered:.2%} of trained tokens -> {cfg.output}")
     return d2t, t2d

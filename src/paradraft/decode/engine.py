@@ -17,7 +17,7 @@ import torch
 
 from ..errors import UserError
 from ..models.common import DraftCache
-from .runner import VerifierRunner
+from ..verifier import make_runner
 from .sampling import process_logits, sample
 from .verify import greedy_accept, rejection_accept
 
@@ -58,7 +58,7 @@ class Engine:
         self.verifier = verifier
         self.drafter = drafter
         aux = list(drafter.cfg.aux_layer_ids) if drafter is not None else []
-        self.runner = VerifierRunner(verifier, aux, max_batch=1, max_len=max_len)
+        self.runner = make_runner(verifier, aux, max_batch=1, max_len=max_len)
         self.vocab = verifier.config.vocab_size
         if drafter is not None:
             drafter.eval()

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.vocab import draft_to_target_ids
-from ..verifier import SUPPORTED_ARCHITECTURES, default_aux_layers
+from ..verifier import default_aux_layers, flavour_of
 from .attention import Elements, attention
 
 
@@ -61,11 +61,10 @@ class DraftConfig:
     @classmethod
     def from_verifier(cls, vcfg, **overrides) -> "DraftConfig":
         """Draft config following a verifier's HF config (heads, KV heads, head_dim, rope, eps)."""
-        mtype = getattr(vcfg, "model_type", "llama")
         rope = getattr(vcfg, "rope_parameters", None) or {"rope_type": "default",
                                                          "rope_theta": getattr(vcfg, "rope_theta", 10000.0)}
         kw = dict(
-            flavour=SUPPORTED_ARCHITECTURES.get(mtype, "llama"),
+            flavour=flavour_of(vcfg),
             hidden_size=vcfg.hidden_size, intermediate_size=vcfg.intermediate_size,
             num_attention_heads=vcfg.num_attention_heads,
             num_key_value_heads=getattr(vcfg, "num_key_value_heads", None) or vcfg.num_attention_heads,

@@ -28,24 +28,6 @@ class SlotBatch:
         return int(self.tokens.shape[0])
 
 
-@torch.no_grad()
-def verifier_targets(last_hidden: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
-                     lm_head_weight: torch.Tensor, draft_target_ids: torch.Tensor, chunk: int = 1024):
-    """Verifier distribution from its last hidden state (before final norm).
-
-    last_hidden [S, H] -> (target_p [S, Vd] float32 over the draft vocab, target_ids [S] argmax over the FULL vocab).
-    """
-    ps, ids = [], []
-    for s in range(0, last_hidden.shape[0], chunk):
-        y = last_hidden[s:s + chunk].float()
-        y = norm_weight.float() * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + norm_eps))
-        y = y.to(lm_head_weight.dtype)
-        logits = (y @ lm_head_weight.T).float()  # [c, V]
-        ids.append(logits.argmax(-1))
-        ps.append(torch.softmax(logits[:, draft_target_ids], dim=-1))
-    return torch.cat(ps), torch.cat(ids)
-
-
 def slots_from_sample(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden: torch.Tensor,
                       target_p: torch.Tensor, target_ids: torch.Tensor, doc_id: int = 0) -> SlotBatch:
     """Apply the EAGLE one-step shift to one sample of S tokens -> S-1 slots.

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from ..data.hidden_states import HiddenStates, OnlineHiddenStates
-from ..models.loss import SlotBatch, pack_slots, slots_from_sample, verifier_targets
+from ..models.loss import SlotBatch, pack_slots, slots_from_sample
+from ..verifier import VerifierHead
 
 
 class OfflineSource:
@@ -68,9 +69,7 @@ class TargetHead:
     """The verifier's final norm + lm_head, to turn stored last hidden states into target distributions."""
 
     def __init__(self, verifier, draft_target_ids: torch.Tensor, device="cpu"):
-        self.norm_w = verifier.model.norm.weight.detach().to(device)
-        self.eps = verifier.config.rms_norm_eps
-        self.lm_w = verifier.lm_head.weight.detach().to(device)
+        self.head = VerifierHead(verifier, device)
         self.ids = draft_target_ids.to(device)
         self.device = device
 
@@ -79,7 +78,7 @@ class TargetHead:
         parts = []
         for s in samples:
             last = s["last"].to(self.device)
-            tp, tid = verifier_targets(last, self.norm_w, self.eps, self.lm_w, self.ids)
+            tp, tid = self.head.targets(last, self.ids)
             parts.append(slots_from_sample(s["input_ids"].long().to(self.device), s["loss_mask"].bool().to(self.device),
                                            s["aux"].to(self.device).float(), tp, tid))
         b = pack_slots(parts)

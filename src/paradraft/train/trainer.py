@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from ..config import RESUME_MAY_CHANGE, TrainConfig, config_to_dict
 from ..data.prepare import PreparedDataset
-from ..data.vocab import build_vocab, draft_to_target_ids, load_vocab, template_special_ids
+from ..data.vocab import draft_to_target_ids, draft_vocabulary, load_vocab
 from ..errors import UserError
 from ..models.checkpoint import build_drafter, write_drafter
 from ..models.common import DraftConfig
@@ -36,7 +36,7 @@ from ..models.loss import acceptance_estimate
 from ..models.registry import drafter_class
 from ..outputs import claim_dir, output_lock, write_marker
 from ..utils import fingerprint, json_safe, read_json, save_tensors, write_json, write_text_atomic
-from ..verifier import load_verifier, resolve_verifier
+from ..verifier import adapter_for, load_verifier, resolve_verifier
 from .data import OfflineSource, OnlineSource, TargetHead, epoch_plan
 from .distributed import full_state_dict, load_full_state_dict, shard_fsdp
 from .plot import plot_metrics
@@ -200,17 +200,13 @@ class Trainer:
                         np.concatenate([self.train_idx, self.val_idx])}
 
         # ---- vocabulary and model
-        V = verifier.config.vocab_size
+        V = adapter_for(verifier).embedding_rows(verifier)  # rows, not tokenizer length (padded vocabularies)
         if cfg.vocab:
             d2t, t2d = load_vocab(cfg.vocab)
             if len(t2d) != V:
                 raise TrainingError(f"vocab {cfg.vocab} is for a {len(t2d)}-token verifier, this one has {V}")
         else:
-            freqs = np.zeros(V, dtype=np.int64)
-            f = self.ds.token_freqs()[:V]
-            freqs[: len(f)] = f
-            special = template_special_ids(tokenizer) if tokenizer is not None else []
-            d2t, t2d = build_vocab(freqs, min(cfg.draft_vocab_size, V), V, special, fill=True)
+            d2t, t2d = draft_vocabulary(self.ds.token_freqs(), cfg.draft_vocab_size, V, tokenizer, fill=True)
         own = self.algo.config_overrides(cfg, tokenizer, V, self.ds.token_freqs())  # e.g. P-EAGLE's mask token
         torch.manual_seed(cfg.seed)
         dcfg = DraftConfig.from_verifier(

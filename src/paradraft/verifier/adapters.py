@@ -1,0 +1,97 @@
+"""Architecture adapters: where verifier families differ, in one place each.
+
+An adapter says how to reach a Hugging Face causal LM's parts (decoder layers, final norm, lm_head, embedding
+rows), which draft-layer flavour follows its config, and whether paradraft's fast KV-cache runner (runner.py)
+implements its layers exactly. A family the fast runner knows is one entry of FAMILIES; any other decoder-only
+model with the usual `model.layers` / `model.norm` / `lm_head` runs through the generic adapter, which leaves the
+layers to Hugging Face's own forward and cache (slower, same tokens).
+
+Aux hidden-state convention (the same tensor vLLM's EAGLE-3 path hands the drafter): "layer i" is the residual
+stream at the INPUT of decoder layer i, i.e. Hugging Face `output_hidden_states[i]` (index 0 = the embeddings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UserError
+
+
+class VerifierError(UserError, RuntimeError):
+    """A verifier that cannot be found, converted or tapped."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """How paradraft drives one family of verifiers."""
+
+    family: str  # the HF model_type(s) it covers, for messages
+    flavour: str = "llama"  # draft decoder layer that follows the verifier's layer config: "llama" | "qwen3"
+    fast: bool = True  # runner.VerifierRunner implements these layers exactly (else: Hugging Face's forward)
+    moe: bool = False  # experts with a router (the MLP returns (hidden, router scores) in some families)
+
+    def layers(self, model) -> torch.nn.ModuleList:
+        """The decoder layer list."""
+        return model.model.layers
+
+    def final_norm(self, model) -> torch.nn.Module:
+        return model.model.norm
+
+    def embedding_rows(self, model) -> int:
+        """Rows of the input embedding (the vocabulary as the model sees it; a padded tokenizer has fewer)."""
+        return int(model.get_input_embeddings().weight.shape[0])
+
+
+# model_type -> adapter: the families the fast runner implements (attention with optional q/k norms, biases,
+# attention sinks and sliding windows; dense or mixture-of-experts MLPs)
+FAMILIES: dict[str, Adapter] = {
+    "llama": Adapter("llama"),
+    "mistral": Adapter("mistral"),
+    "qwen2": Adapter("qwen2"),
+    "qwen3": Adapter("qwen3", flavour="qwen3"),
+    "qwen3_moe": Adapter("qwen3_moe", flavour="qwen3", moe=True),
+    "gpt_oss": Adapter("gpt_oss", moe=True),
+}
+GENERIC = Adapter("generic", fast=False)
+
+
+def adapter_for(model) -> Adapter:
+    """The adapter of a loaded model; VerifierError naming what is missing when it cannot be tapped at all."""
+    mtype = getattr(model.config, "model_type", "?")
+    inner = getattr(model, "model", None)
+    missing = [name for name, ok in (
+        ("model.layers", isinstance(getattr(inner, "layers", None), torch.nn.ModuleList)),
+        ("model.norm", isinstance(getattr(inner, "norm", None), torch.nn.Module)),
+        ("model.embed_tokens", getattr(inner, "embed_tokens", None) is not None),
+        ("lm_head", isinstance(getattr(model, "lm_head", None), torch.nn.Module)),
+    ) if not ok]
+    if missing:
+        raise VerifierError(f"verifier architecture '{mtype}' ({type(model).__name__}) cannot be tapped: paradraft "
+                            f"needs a decoder-only causal LM with model.layers, model.norm, model.embed_tokens and "
+                            f"lm_head; this one lacks {', '.join(missing)}")
+    return FAMILIES.get(mtype, GENERIC)
+
+
+def flavour_of(config) -> str:
+    """Draft-layer flavour that follows a verifier config."""
+    return FAMILIES.get(getattr(config, "model_type", ""), GENERIC).flavour
+
+
+def check_tappable(model) -> None:
+    """Raise VerifierError unless paradraft can tap the model (the fast runner or the generic adapter)."""
+    adapter_for(model)
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layer list of a causal LM (VerifierError when there is none to tap)."""
+    return adapter_for(model).layers(model)
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3 default aux layer ids [2, L//2, L-3] for an L-layer verifier."""
+    if num_layers < 7:  # fewer layers would tap one layer twice
+        raise VerifierError(f"a {num_layers}-layer verifier is too shallow for 3 distinct default aux layers "
+                            f"[2, L//2, L-3] (it needs >= 7 layers); pass the layer ids explicitly (--layers)")
+    return [2, num_layers // 2, num_layers - 3]
