@@ -145,3 +145,65 @@ def all_elements(T, K, doc=None):
         a.append(ok)
         d.append(torch.full_like(ok, k))
     return torch.cat(a), torch.cat(d)
+
+
+# the verifier families paradraft supports, as tiny random models: the fast runner's families, a padded vocabulary,
+# mixtures of experts, GPT-OSS's sinks and sliding windows, and one family left to the generic adapter (Granite)
+FAMILIES = ("llama", "qwen3_padded", "qwen3_moe", "gpt_oss", "granite")
+
+
+def make_tiny_verifier(family: str, vocab_size: int = 120, layers: int = 8, hidden: int = 64, seed: int = 0):
+    """A tiny random causal LM of `family` (>= 8 layers: distinct default aux layers), float32, eval mode.
+    qwen3_padded has 16 embedding rows more than `vocab_size` tokens, as Qwen3's real vocabulary does."""
+    from transformers import (
+        GptOssConfig,
+        GptOssForCausalLM,
+        GraniteConfig,
+        GraniteForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    if family in ("llama", "qwen3"):
+        return make_tiny_llama(vocab_size, layers, hidden, seed, qwen3=family == "qwen3")
+    torch.manual_seed(seed)
+    common = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, tie_word_embeddings=False)
+    if family == "qwen3_padded":
+        return make_tiny_llama(vocab_size + 16, layers, hidden, seed, qwen3=True)
+    if family == "qwen3_moe":
+        cfg = Qwen3MoeConfig(vocab_size=vocab_size, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
+                             num_experts=4, num_experts_per_tok=2, head_dim=hidden // 4, **common)
+        return Qwen3MoeForCausalLM(cfg).eval()
+    if family == "gpt_oss":
+        cfg = GptOssConfig(vocab_size=vocab_size, intermediate_size=hidden, num_local_experts=4,
+                           num_experts_per_tok=2, head_dim=hidden // 4, sliding_window=6,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
+        model = GptOssForCausalLM(cfg).eval()
+        with torch.no_grad():  # sinks that matter
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0, 1.0)
+        return model
+    if family == "granite":
+        cfg = GraniteConfig(vocab_size=vocab_size, intermediate_size=2 * hidden, embedding_multiplier=2.0,
+                            residual_multiplier=0.5, logits_scaling=2.0, attention_multiplier=0.3, **common)
+        return GraniteForCausalLM(cfg).eval()
+    raise ValueError(family)
+
+
+def drafter_for(verifier, algorithm: str, seed: int = 0, draft_vocab: int = 60):
+    """A random but non-trivial drafter of `algorithm` for any verifier (draft vocabulary over its rows)."""
+    torch.manual_seed(seed)
+    rows = verifier.get_input_embeddings().weight.shape[0]
+    cfg = DraftConfig.from_verifier(verifier.config, algorithm=algorithm, num_layers=2, draft_vocab_size=draft_vocab,
+                                    mask_token_id=rows - 1 if algorithm == "peagle" else None,
+                                    num_depths=8 if algorithm == "peagle" else None, vocab_size=rows)
+    model = build_drafter(cfg)
+    freqs = torch.randint(1, 100, (rows,)).numpy()
+    d2t, t2d = build_vocab(freqs, draft_vocab, rows)
+    model.init_from_verifier(verifier, d2t, t2d)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad and p.dim() >= 1 and "norm" not in n:
+                p.normal_(0, 0.3)
+    return model.eval()

@@ -300,3 +300,18 @@ def test_incompatible_verifier_is_refused_clearly(tmp_path):
         check_compatible(cfg, verifier.config, force=True)
     with pytest.raises(CheckpointError, match="not a drafter checkpoint"):
         load_drafter(tmp_path)
+
+
+def test_a_pack_with_nothing_to_train_still_backpropagates():
+    from paradraft.models.loss import depth_reduce, draft_loss
+
+    logits = torch.randn(6, 10, requires_grad=True)
+    target_p = torch.softmax(torch.randn(6, 10), -1)
+    t2d = torch.zeros(20, dtype=torch.bool)
+    t2d[:10] = True
+    kl, trained, correct = draft_loss(logits, target_p, torch.full((6,), 15), torch.ones(6, dtype=torch.bool),
+                                      torch.zeros(10, dtype=torch.long), t2d)  # every target outside the vocabulary
+    valid, depth = torch.ones(6, dtype=torch.bool), torch.zeros(6, dtype=torch.long)
+    loss, stats = depth_reduce(kl, trained, correct, valid, depth, 1)
+    loss.backward()
+    assert float(loss) == 0.0 and torch.count_nonzero(logits.grad) == 0 and stats["acc"] == [0.0]

@@ -89,7 +89,9 @@ def depth_reduce(kl: torch.Tensor, trained: torch.Tensor, correct: torch.Tensor,
         stats["kl"].append(float(kl[sel].detach().sum()) / nt if nt else float("nan"))
         stats["acc"].append(float((correct & sel).sum()) / nv if nv else float("nan"))
         stats["count"].append(nv)
-    return (loss / wsum if wsum else loss), stats
+    # a pack with nothing to train (every target outside the draft vocabulary) still gives a loss on the graph:
+    # zero gradients, so backward and every DDP rank's all-reduce go on as usual
+    return (loss / wsum if wsum else kl.sum() * 0.0), stats
 
 
 def acceptance_estimate(anchor: torch.Tensor, depth: torch.Tensor, correct: torch.Tensor, valid: torch.Tensor,

@@ -39,6 +39,18 @@ class Adapter:
     def final_norm(self, model) -> torch.nn.Module:
         return model.model.norm
 
+    def logits(self, model, normed: torch.Tensor) -> torch.Tensor:
+        """lm_head over final-normed states, with the output transforms configs declare: Granite's
+        `logits_scaling` (divide) and Gemma's `final_logit_softcapping` (tanh cap)."""
+        out = model.lm_head(normed)
+        scale = getattr(model.config, "logits_scaling", None)
+        if scale:
+            out = out / scale
+        cap = getattr(model.config, "final_logit_softcapping", None)
+        if cap:
+            out = torch.tanh(out / cap) * cap
+        return out
+
     def embedding_rows(self, model) -> int:
         """Rows of the input embedding (the vocabulary as the model sees it; a padded tokenizer has fewer)."""
         return int(model.get_input_embeddings().weight.shape[0])

@@ -13,7 +13,8 @@ class VerifierHead:
     """final norm + lm_head of a verifier (its own modules, on the device given)."""
 
     def __init__(self, model, device: str = "cpu"):
-        self.norm = adapter_for(model).final_norm(model)
+        self.adapter, self.model = adapter_for(model), model
+        self.norm = self.adapter.final_norm(model)
         self.lm_head = model.lm_head
         self.device = device
 
@@ -21,7 +22,7 @@ class VerifierHead:
     def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """last_hidden [S, H] (pre-norm) -> logits [S, V] float32, as the model computes them."""
         dtype = self.lm_head.weight.dtype
-        return self.lm_head(self.norm(last_hidden.to(self.device, dtype))).float()
+        return self.adapter.logits(self.model, self.norm(last_hidden.to(self.device, dtype))).float()
 
     @torch.no_grad()
     def targets(self, last_hidden: torch.Tensor, draft_target_ids: torch.Tensor, chunk: int = 1024):

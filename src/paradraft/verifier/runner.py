@@ -105,7 +105,7 @@ class VerifierRunner:
             h = h + attn.o_proj(o.transpose(1, 2).reshape(Bq, n, self.nh * self.hd))
             m = layer.mlp(layer.post_attention_layernorm(h))
             h = h + (m[0] if isinstance(m, tuple) else m)  # MoE blocks may also return router scores
-        logits = self.model.lm_head(self.adapter.final_norm(self.model)(h)).float()
+        logits = self.adapter.logits(self.model, self.adapter.final_norm(self.model)(h)).float()
         self.lengths[rows] = start + n
         aux = torch.cat([dict(auxes)[i] for i in self.aux], dim=-1) if self.aux else h.new_zeros(Bq, n, 0)
         return logits, aux
@@ -152,6 +152,10 @@ class GenericRunner:
         from transformers import DynamicCache
 
         self.caches = [DynamicCache(config=self.model.config) for _ in range(batch)]
+        for cache in self.caches:  # sliding-window layers keep what a rollback needs until the next crop
+            for layer in getattr(cache, "layers", []):
+                if hasattr(layer, "activate_past_recording"):
+                    layer.activate_past_recording()
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
@@ -177,6 +181,8 @@ class GenericRunner:
     def set_lengths(self, rows: torch.Tensor, lengths: torch.Tensor) -> None:
         """Roll rows back to these lengths (the cache drops everything past them)."""
         for r, n in zip(rows.tolist(), lengths.tolist()):
-            if n < int(self.lengths[r]):
-                self.caches[r].crop(n)
+            removed = int(self.lengths[r]) - n
+            if removed < 0:
+                raise ValueError("the generic runner rolls rows back only")
+            self.caches[r].crop(-removed)  # also trims sliding-window layers back to what the next step needs
             self.lengths[r] = n

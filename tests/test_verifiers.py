@@ -1,0 +1,122 @@
+"""Every verifier family through the parts that touch it: the tap equals Hugging Face's hidden states, the target
+head equals the model's logits, the runner equals a full forward after rollbacks, and greedy speculative decoding
+with P-EAGLE and EAGLE-3 equals Hugging Face `generate` at batch 1 and 4 (float32). Tiny random models: Llama,
+Qwen3 with a padded vocabulary, Qwen3-MoE, GPT-OSS (sinks, sliding windows, experts) and Granite (generic path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import FAMILIES, drafter_for, make_tiny_verifier
+from paradraft.decode.engine import Engine, GenerationConfig
+from paradraft.verifier import GenericRunner, Tap, VerifierHead, VerifierRunner, adapter_for, make_runner
+
+V = 120
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def verifier(request):
+    return request.param, make_tiny_verifier(request.param, V, seed=1)
+
+
+def prompts(n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, V, (int(k),), generator=g).tolist() for k in torch.randint(5, 16, (n,), generator=g)]
+
+
+def test_adapter_choice(verifier):
+    family, model = verifier
+    runner = make_runner(model, [2, 4, 5])
+    assert isinstance(runner, GenericRunner if family == "granite" else VerifierRunner)
+    assert adapter_for(model).embedding_rows(model) == (V + 16 if family == "qwen3_padded" else V)
+
+
+def test_tap_and_head_equal_hugging_face(verifier):
+    _, model = verifier
+    ids = torch.tensor([prompts(1, seed=3)[0] * 2])  # longer than GPT-OSS's window of 6
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+    tap = Tap(model, [2, 4, 5])
+    aux, last = tap(ids, torch.ones_like(ids))
+    tap.remove()
+    H = model.config.hidden_size
+    for j, layer in enumerate([2, 4, 5]):
+        torch.testing.assert_close(aux[..., j * H:(j + 1) * H], ref.hidden_states[layer])
+    torch.testing.assert_close(VerifierHead(model).logits(last[0]), ref.logits[0].float())
+
+
+def test_runner_equals_full_forward_after_rollback(verifier):
+    _, model = verifier
+    p = prompts(1, seed=5)[0]
+    runner = make_runner(model, [2, 4, 5], max_batch=2, max_len=64)
+    rows = torch.tensor([1])
+    runner.forward(torch.tensor([p]), rows=rows)
+    runner.forward(torch.tensor([[7, 8, 9]]), rows=rows)  # three drafts...
+    runner.set_lengths(rows, torch.tensor([len(p) + 1]))  # ...of which one is kept
+    logits, aux = runner.forward(torch.tensor([[11, 12]]), rows=rows)
+    seq = torch.tensor([p + [7, 11, 12]])
+    with torch.no_grad():
+        ref = model(seq, output_hidden_states=True)
+    torch.testing.assert_close(logits[0], ref.logits[0, -2:].float(), atol=1e-4, rtol=1e-4)
+    ref_aux = torch.cat([ref.hidden_states[i][0, -2:] for i in (2, 4, 5)], -1)
+    torch.testing.assert_close(aux[0], ref_aux, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_greedy_speculative_equals_hf_generate(verifier, algorithm):
+    _, model = verifier
+    ps = prompts(4)
+    g = GenerationConfig(max_new_tokens=14, num_speculative_tokens=4)
+    hf = []
+    for p in ps:
+        ids = torch.tensor([p])
+        hf.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=14, min_new_tokens=14,
+                                 do_sample=False, pad_token_id=0)[0, len(p):].tolist())
+    drafter = drafter_for(model, algorithm)
+    for bs in (1, 4):
+        out = []
+        for s in range(0, len(ps), bs):
+            out += Engine(model, drafter, max_len=128).generate(ps[s:s + bs], g)
+        assert [r.token_ids for r in out] == hf, bs
+
+
+@pytest.mark.parametrize("family", ["qwen3_padded", "qwen3_moe", "gpt_oss", "granite"])
+def test_workflow_through_the_cli(family, tmp_path, capsys):
+    """prepare -> vocab -> extract -> train --vocab -> lossless generate -> export, on a saved tiny verifier."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from helpers import make_tokenizer
+    from paradraft.cli import main
+
+    tok = make_tokenizer("chatml")
+    model = make_tiny_verifier(family, len(tok), seed=2)
+    rows = model.get_input_embeddings().weight.shape[0]
+    vdir = tmp_path / f"verifier-{family}"
+    model.save_pretrained(vdir)
+    tok.save_pretrained(vdir)
+    recs = [{"id": str(i), "messages": [{"role": "user", "content": f"what is {i}?"},
+                                        {"role": "assistant", "content": "Paris is the capital. " * (1 + i % 3)}]}
+            for i in range(24)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    t = str(tmp_path)
+    assert main(["prepare", "--data", f"{t}/d.jsonl", "-o", f"{t}/data", "--verifier", str(vdir),
+                 "--val-fraction", "0.2"]) == 0
+    assert main(["vocab", "--data", f"{t}/data", "-o", f"{t}/v.safetensors", "--size", "64", "--fill"]) == 0
+    assert load_file(f"{t}/v.safetensors")["t2d"].shape == (rows,)  # sized to the embedding rows, not the tokenizer
+    assert main(["extract", "--data", f"{t}/data", "-o", f"{t}/hs", "--dtype", "float32"]) == 0
+    assert main(["train", "--data", f"{t}/data", "--hidden-states", f"{t}/hs", "-o", f"{t}/run", "--vocab",
+                 f"{t}/v.safetensors", "--max-steps", "2", "--num-depths", "4", "--batch-tokens", "256",
+                 "--autocast", "float32", "--verifier-dtype", "float32", "--warmup-steps", "1"]) == 0
+    gen = ["generate", "--verifier", str(vdir), "--prompt", "what is 3?", "--max-new-tokens", "10",
+           "--dtype", "float32", "--num-speculative-tokens", "3"]
+    assert main([*gen, "--drafter", f"{t}/run", "-o", f"{t}/spec.jsonl"]) == 0
+    assert main([*gen, "-o", f"{t}/plain.jsonl"]) == 0
+    spec, plain = (json.loads((tmp_path / f).read_text()) for f in ("spec.jsonl", "plain.jsonl"))
+    assert spec["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) > 0
+    assert main(["export", f"{t}/run", "-o", f"{t}/exp", "--dtype", "float32"]) == 0
+    cfg = json.loads((tmp_path / "exp" / "config.json").read_text())
+    assert cfg["transformer_layer_config"]["vocab_size"] == rows
+    assert cfg["speculators_config"]["verifier"]["architectures"] == list(model.config.architectures)
