@@ -51,8 +51,15 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $@
 
+# the embedded verifier, then tiny random Qwen3-MoE and GPT-OSS verifiers (no small real one can be had offline);
+# GPT-OSS's random outputs take 150 steps before its drafters get drafts accepted (30 steps: acceptance 1.0 = 1.0)
+FAMILY_INTEROP := --prompts 3 --max-tokens 32
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python scripts/vllm_interop.py
+	$(BIN)/python scripts/tiny_verifier.py qwen3_moe runs/vllm-qwen3-moe/verifier
+	$(BIN)/python scripts/vllm_interop.py --verifier runs/vllm-qwen3-moe/verifier --work runs/vllm-qwen3-moe --steps 30 $(FAMILY_INTEROP)
+	$(BIN)/python scripts/tiny_verifier.py gpt_oss runs/vllm-gpt-oss/verifier
+	$(BIN)/python scripts/vllm_interop.py --verifier runs/vllm-gpt-oss/verifier --work runs/vllm-gpt-oss --steps 150 $(FAMILY_INTEROP)
 
 clean:
 	rm -rf runs build src/*.egg-info

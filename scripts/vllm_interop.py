@@ -61,15 +61,15 @@ def root_cause(log: str, keep: int = 25) -> str:
     return "\n".join(picked[-keep:] + ["... last lines:"] + [ln[:400] for ln in lines[-10:]])
 
 
-def short_drafters(work: Path, steps: int) -> list[Path]:
+def short_drafters(work: Path, steps: int, verifier: str) -> list[Path]:
     from paradraft.config import PrepareConfig, RegenerateConfig, TrainConfig
     from paradraft.pipeline import run_steps
 
     regen = work / "regenerated.jsonl"
     chain = [("regenerate", RegenerateConfig(data=["sharegpt"], output=str(regen), max_samples=48, max_new_tokens=128,
-                                             max_prompt_tokens=256, batch_size=16)),
+                                             max_prompt_tokens=256, batch_size=16, verifier=verifier)),
              ("prepare", PrepareConfig(data=[str(regen)], output=str(work / "data"), seq_length=512,
-                                       val_fraction=0.1))]
+                                       val_fraction=0.1, verifier=verifier))]
     for algo in ("peagle", "eagle3"):
         chain.append(("train", TrainConfig(algorithm=algo, data=str(work / "data"), online=True,
                                            output=str(work / algo), max_steps=steps, lr=1e-3, warmup_steps=5,
@@ -83,6 +83,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--drafter", action="append", default=[])
     ap.add_argument("--work", default=str(ROOT / "runs" / "vllm"))
+    ap.add_argument("--verifier", default="smollm2-135m", help="verifier (default: the embedded SmolLM2)")
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -104,13 +105,15 @@ def main() -> int:
     from paradraft.models.checkpoint import load_drafter
     from paradraft.verifier import load_verifier, resolve_verifier
 
-    drafters = [Path(d) for d in args.drafter] or short_drafters(work, args.steps)
-    verifier_dir = resolve_verifier("smollm2-135m")
-    model, tok = load_verifier("smollm2-135m", dtype=getattr(torch, args.dtype))
+    drafters = [Path(d) for d in args.drafter] or short_drafters(work, args.steps, args.verifier)
+    verifier_dir = resolve_verifier(args.verifier)
+    model, tok = load_verifier(args.verifier, dtype=getattr(torch, args.dtype))
     data = drafters[0].parent / "data"  # the held-out split the drafters were trained beside
     prompts = load_prompts("sharegpt-val", args.prompts, tok, str(data))
     eos = [tok.eos_token_id]
-    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "dtype": args.dtype, "k": args.k, "prompts": len(prompts),
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "verifier": args.verifier,
+              "verifier_architectures": list(model.config.architectures or []), "dtype": args.dtype, "k": args.k,
+              "prompts": len(prompts),
               "max_tokens": args.max_tokens, "runs": [], "vllm_start_retries": []}
     failures = []
 
