@@ -176,7 +176,8 @@ def probes() -> dict:
 
     def sigkill_train_then_resume():
         out = W / "killed"
-        p = cli("train", *train_flags(out, "--overwrite", "--max-steps", "40", "--save-every", "5"), wait=False)
+        shutil.rmtree(out, ignore_errors=True)  # a fresh run: checkpoints of an earlier probe run would count
+        p = cli("train", *train_flags(out, "--max-steps", "40", "--save-every", "5"), wait=False)
         deadline = time.time() + 600
         while time.time() < deadline and len(list((out / "checkpoints").glob("step-*"))) < 2:
             time.sleep(0.5)

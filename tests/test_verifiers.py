@@ -81,7 +81,7 @@ def test_greedy_speculative_equals_hf_generate(verifier, algorithm):
         assert [r.token_ids for r in out] == hf, bs
 
 
-@pytest.mark.parametrize("family", ["qwen3_padded", "qwen3_moe", "gpt_oss", "granite"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_padded", "qwen3_moe", "gpt_oss", "granite"])
 def test_workflow_through_the_cli(family, tmp_path, capsys):
     """prepare -> vocab -> extract -> train --vocab -> lossless generate -> export, on a saved tiny verifier."""
     import json
@@ -120,3 +120,24 @@ def test_workflow_through_the_cli(family, tmp_path, capsys):
     cfg = json.loads((tmp_path / "exp" / "config.json").read_text())
     assert cfg["transformer_layer_config"]["vocab_size"] == rows
     assert cfg["speculators_config"]["verifier"]["architectures"] == list(model.config.architectures)
+
+
+def test_each_family_is_one_file_that_registers_itself():
+    import importlib
+    import pkgutil
+
+    from paradraft.verifier import adapters, registered_families
+
+    registered = registered_families()
+    package = importlib.import_module("paradraft.verifier.families")
+    modules = [m.name for m in pkgutil.iter_modules(package.__path__)]
+    assert sorted(modules) == ["gpt_oss", "llama", "qwen3"]
+    assert {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"} <= set(registered)
+    assert registered["qwen3_moe"].flavour == "qwen3" and registered["gpt_oss"].moe
+    before = dict(registered)
+    try:  # what a new family's file does: one call
+        adapters.register("my_family", flavour="qwen3")
+        assert registered_families()["my_family"].flavour == "qwen3"
+    finally:
+        registered.clear()
+        registered.update(before)

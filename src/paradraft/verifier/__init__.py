@@ -12,6 +12,8 @@ from .adapters import (
     decoder_layers,
     default_aux_layers,
     flavour_of,
+    register,
+    registered_families,
 )
 from .head import VerifierHead
 from .load import (
@@ -31,5 +33,6 @@ __all__ = [
     "EMBEDDED_NAME", "FAMILIES", "GENERIC", "Adapter", "GenericRunner", "Tap", "VerifierError", "VerifierHead",
     "VerifierRunner", "adapter_for", "batches_by_tokens", "cache_root", "check_tappable", "compute_samples",
     "decoder_layers", "default_aux_layers", "embedded_gguf_path", "embedded_model_dir", "embedding_rows",
-    "flavour_of", "load_tokenizer", "load_verifier", "make_runner", "resolve_verifier",
+    "flavour_of", "load_tokenizer", "load_verifier", "make_runner", "register", "registered_families",
+    "resolve_verifier",
 ]

@@ -2,7 +2,7 @@
 
 An adapter says how to reach a Hugging Face causal LM's parts (decoder layers, final norm, lm_head, embedding
 rows), which draft-layer flavour follows its config, and whether paradraft's fast KV-cache runner (runner.py)
-implements its layers exactly. A family the fast runner knows is one entry of FAMILIES; any other decoder-only
+implements its layers exactly. A family the fast runner knows is one file in families/; any other decoder-only
 model with the usual `model.layers` / `model.norm` / `lm_head` runs through the generic adapter, which leaves the
 layers to Hugging Face's own forward and cache (slower, same tokens).
 
@@ -12,6 +12,8 @@ stream at the INPUT of decoder layer i, i.e. Hugging Face `output_hidden_states[
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from dataclasses import dataclass
 
 import torch
@@ -56,17 +58,30 @@ class Adapter:
         return int(model.get_input_embeddings().weight.shape[0])
 
 
-# model_type -> adapter: the families the fast runner implements (attention with optional q/k norms, biases,
-# attention sinks and sliding windows; dense or mixture-of-experts MLPs)
-FAMILIES: dict[str, Adapter] = {
-    "llama": Adapter("llama"),
-    "mistral": Adapter("mistral"),
-    "qwen2": Adapter("qwen2"),
-    "qwen3": Adapter("qwen3", flavour="qwen3"),
-    "qwen3_moe": Adapter("qwen3_moe", flavour="qwen3", moe=True),
-    "gpt_oss": Adapter("gpt_oss", moe=True),
-}
+# model_type -> adapter of the families the fast runner implements. Each family is one file in families/ that
+# calls `register`; every module there is imported on first use, so a new family is one new file.
+FAMILIES: dict[str, Adapter] = {}
 GENERIC = Adapter("generic", fast=False)
+_loaded = False
+
+
+def register(*model_types: str, **kw) -> Adapter:
+    """Declare the adapter of one family (one or more HF model_types); keyword arguments as for Adapter."""
+    adapter = Adapter("/".join(model_types), **kw)
+    for t in model_types:
+        FAMILIES[t] = adapter
+    return adapter
+
+
+def registered_families() -> dict[str, Adapter]:
+    """Every registered family (imports the modules of families/ once)."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        package = importlib.import_module(f"{__package__}.families")
+        for info in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{package.__name__}.{info.name}")
+    return FAMILIES
 
 
 def adapter_for(model) -> Adapter:
@@ -83,12 +98,12 @@ def adapter_for(model) -> Adapter:
         raise VerifierError(f"verifier architecture '{mtype}' ({type(model).__name__}) cannot be tapped: paradraft "
                             f"needs a decoder-only causal LM with model.layers, model.norm, model.embed_tokens and "
                             f"lm_head; this one lacks {', '.join(missing)}")
-    return FAMILIES.get(mtype, GENERIC)
+    return registered_families().get(mtype, GENERIC)
 
 
 def flavour_of(config) -> str:
     """Draft-layer flavour that follows a verifier config."""
-    return FAMILIES.get(getattr(config, "model_type", ""), GENERIC).flavour
+    return registered_families().get(getattr(config, "model_type", ""), GENERIC).flavour
 
 
 def check_tappable(model) -> None:

@@ -1,6 +1,6 @@
 """The verifier's incremental forward for the engine: a ragged, per-row KV cache with rollback, plus aux states.
 
-`VerifierRunner` (the fast path, for the families in adapters.FAMILIES) reuses the Hugging Face modules' weights
+`VerifierRunner` (the fast path, for the families registered in families/) reuses the Hugging Face modules' weights
 and sub-modules (norms, projections, MLP or experts, rotary embedding) and does the attention itself over a
 preallocated cache [B, KVH, S_max, D] per layer, where every row has its own length. It covers q/k norms (Qwen3),
 projection biases, attention sinks and sliding windows (GPT-OSS), and MLPs that also return router scores (MoE).
@@ -33,7 +33,7 @@ def make_runner(model, aux_layer_ids: list[int] | None = None, max_batch: int = 
 
 
 class VerifierRunner:
-    """Batched incremental forward of a HF causal LM with per-row lengths (families in adapters.FAMILIES)."""
+    """Batched incremental forward of a HF causal LM with per-row lengths (the families registered in families/)."""
 
     def __init__(self, model, aux_layer_ids: list[int] | None = None, max_batch: int = 1, max_len: int = 4096):
         self.adapter = adapter_for(model)

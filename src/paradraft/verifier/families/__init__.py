@@ -1,0 +1,1 @@
+"""One file per verifier family the fast runner implements; each registers its adapter (adapters.register)."""
