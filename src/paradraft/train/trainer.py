@@ -34,7 +34,7 @@ from ..models.checkpoint import build_drafter, write_drafter
 from ..models.common import DraftConfig
 from ..models.loss import acceptance_estimate
 from ..models.registry import drafter_class
-from ..outputs import claim_dir, output_lock, write_marker
+from ..outputs import KIND_FILES, claim_dir, output_lock, write_marker
 from ..utils import fingerprint, json_safe, read_json, save_tensors, write_json, write_text_atomic
 from ..verifier import adapter_for, load_verifier, resolve_verifier
 from .data import OfflineSource, OnlineSource, TargetHead, epoch_plan
@@ -46,6 +46,10 @@ class TrainingError(UserError, RuntimeError):
     """Training cannot go on (non-finite loss, bad inputs)."""
 
 
+class ResumeMismatchError(TrainingError):
+    """--resume with flags or data other than the run's (no older checkpoint can help)."""
+
+
 def lr_at(step: int, warmup_steps: int, total: int) -> float:
     """Learning-rate multiplier: linear warmup, then cosine from 1 to 0.1 at `total` steps."""
     if step < warmup_steps:
@@ -54,8 +58,7 @@ def lr_at(step: int, warmup_steps: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-TRAIN_OUTPUTS = ("config.json", "model.safetensors", "provenance.json", "metrics.jsonl", "training.png",
-                 "final_metrics.json", "train_config.yaml", "tensorboard", "checkpoints")
+TRAIN_OUTPUTS = KIND_FILES["train_run"]  # what train writes in --output (outputs.py, the one list)
 
 
 def _has_run(out: Path) -> bool:
@@ -96,7 +99,7 @@ def check_run_dir(out: Path, cfg: TrainConfig, data_identity: str) -> None:
             return  # unreadable: load_checkpoint falls back to an older one and checks that
         problems = resume_problems(state, cfg, data_identity)
         if problems:
-            raise TrainingError(f"--resume: these flags differ from the run in {out}: " + "; ".join(problems)
+            raise ResumeMismatchError(f"--resume: these flags differ from the run in {out}: " + "; ".join(problems)
                                 + "; use the run's flags, or --overwrite to start it anew")
     elif _has_run(out) and not cfg.overwrite:
         raise TrainingError(f"--output {out} holds a training run; pass --resume to continue it, --overwrite to "
@@ -169,7 +172,7 @@ class Trainer:
         # before any work: --output must be new, empty or a training run of ours, and say what happens to it
         claim_dir(self.out, "train_run", "--output", legacy=lambda p: (p / "train_config.yaml").is_file())
         self.ds = PreparedDataset(cfg.data)
-        self.data_identity = dataset_identity(cfg.data)
+        self.data_identity = dataset_identity(self.ds.manifest)
         if self.dist.main:
             check_run_dir(self.out, cfg, self.data_identity)
         self.verifier_name = cfg.verifier or self.ds.manifest["verifier"]
@@ -297,7 +300,8 @@ class Trainer:
             raise TrainingError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from None
         problems = resume_problems(st, self.cfg, self.data_identity)
         if problems:
-            raise TrainingError(f"--resume: these flags differ from the run in {self.out}: " + "; ".join(problems))
+            raise ResumeMismatchError(f"--resume: these flags differ from the run in {self.out}: "
+                                      + "; ".join(problems))
         if st.get("world_size", 1) != self.dist.world and self.cfg.fsdp:
             raise TrainingError(f"{path} was written by {st.get('world_size')} FSDP ranks; resume with as many")
         opt_file = path / (f"optimizer-{self.dist.rank}.pt" if self.cfg.fsdp and self.dist.enabled else "optimizer.pt")
@@ -323,9 +327,9 @@ class Trainer:
         for path in reversed(found):
             try:
                 self.load_checkpoint(path)
+            except ResumeMismatchError:
+                raise
             except TrainingError as e:
-                if "flags differ" in str(e):
-                    raise
                 print(f"[train] {e}; trying the checkpoint before it")
                 continue
             print(f"[train] resumed from {path} (step {self.step})")
@@ -554,9 +558,8 @@ IDENTITY_IGNORES = ("resume", "overwrite", "device", "output", "data", "hidden_s
                     "keep_checkpoints", "log_every", "attention")
 
 
-def dataset_identity(data: str) -> str:
+def dataset_identity(manifest: dict) -> str:
     """The identity of a prepared dataset (what its manifest records), as checkpoints and runs store it."""
-    manifest = PreparedDataset(data).manifest
     return fingerprint(manifest.get("identity") or manifest)
 
 
@@ -576,7 +579,7 @@ def finished_run(cfg: TrainConfig) -> dict | None:
     except (OSError, ValueError):
         return None
     drafter_class(cfg.algorithm).resolve_train_config(cfg)
-    if prov.get("train_identity") != train_identity(cfg, dataset_identity(cfg.data)):
+    if prov.get("train_identity") != train_identity(cfg, dataset_identity(PreparedDataset(cfg.data).manifest)):
         return None
     return prov.get("final") or {}
 
@@ -592,7 +595,7 @@ def can_resume(cfg: TrainConfig) -> bool:
     except (OSError, ValueError):
         return False
     drafter_class(cfg.algorithm).resolve_train_config(cfg)
-    return not resume_problems(state, cfg, dataset_identity(cfg.data))
+    return not resume_problems(state, cfg, dataset_identity(PreparedDataset(cfg.data).manifest))
 
 
 def train(cfg: TrainConfig, verifier=None, tokenizer=None) -> dict:
