@@ -139,9 +139,9 @@ def vocab(cfg: VocabConfig) -> tuple[torch.Tensor, torch.Tensor]:
     verifier = cfg.verifier or sets[0].manifest["verifier"]
     tok = load_tokenizer(verifier)
     rows = embedding_rows(verifier)  # the verifier's embedding, not the tokenizer: padded vocabularies differ
-    freqs = np.zeros(max(rows, *(len(d.token_freqs()) for d in sets)), dtype=np.int64)
-    for d in sets:
-        f = d.token_freqs()
+    counts = [d.token_freqs() for d in sets]
+    freqs = np.zeros(max(rows, *(len(f) for f in counts)), dtype=np.int64)
+    for f in counts:
         freqs[:len(f)] += f
     if cfg.size > rows:
         raise VocabError(f"--size {cfg.size} is larger than the verifier's {rows}-token vocabulary")

@@ -204,13 +204,14 @@ class Trainer:
 
         # ---- vocabulary and model
         V = adapter_for(verifier).embedding_rows(verifier)  # rows, not tokenizer length (padded vocabularies)
+        token_freqs = self.ds.token_freqs()
         if cfg.vocab:
             d2t, t2d = load_vocab(cfg.vocab)
             if len(t2d) != V:
                 raise TrainingError(f"vocab {cfg.vocab} is for a {len(t2d)}-token verifier, this one has {V}")
         else:
-            d2t, t2d = draft_vocabulary(self.ds.token_freqs(), cfg.draft_vocab_size, V, tokenizer, fill=True)
-        own = self.algo.config_overrides(cfg, tokenizer, V, self.ds.token_freqs())  # e.g. P-EAGLE's mask token
+            d2t, t2d = draft_vocabulary(token_freqs, cfg.draft_vocab_size, V, tokenizer, fill=True)
+        own = self.algo.config_overrides(cfg, tokenizer, V, token_freqs)  # e.g. P-EAGLE's mask token
         torch.manual_seed(cfg.seed)
         dcfg = DraftConfig.from_verifier(
             verifier.config, algorithm=cfg.algorithm, num_layers=cfg.num_layers, draft_vocab_size=len(d2t),
