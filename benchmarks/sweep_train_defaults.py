@@ -1,8 +1,15 @@
-"""A small sweep of P-EAGLE training settings on the embedded verifier: which defaults measure best.
+"""A sweep of drafter training settings on the embedded verifier: which levers measure best.
 
-Each setting trains for the same number of steps on the same prepared data / hidden states and is scored by the
-held-out acceptance-length estimate (paradraft.models.loss.acceptance_estimate) at K=7 and by its depth-0 accuracy.
-usage: python benchmarks/sweep_train_defaults.py --data DIR --hidden-states DIR [--steps 100]
+Each setting changes one thing (or a named set of things) of a base, trains for the same number of steps on the same
+prepared data / hidden states, and is scored on the held-out split by per-depth accuracy, the conditional acceptance
+and the acceptance-length estimate (paradraft.models.loss.acceptance_estimate) at K=3/5/7; with --bench-prompts N
+also by the acceptance length `paradraft bench` measures on N held-out prompts (greedy, float32, K=3 and 7).
+
+  python benchmarks/sweep_train_defaults.py --data DIR --hidden-states DIR [--base recipe|quickstart]
+         [--steps N] [--only NAME ...] [--bench-prompts N] [--output JSON]
+
+Rows are appended to --output after every setting (a stopped sweep keeps what it measured); --only reruns
+named settings and keeps the others' rows.
 """
 
 from __future__ import annotations
@@ -13,51 +20,92 @@ import tempfile
 import time
 from pathlib import Path
 
-from paradraft.config import TrainConfig
+from paradraft.bench.run import bench  # imported before the sweep starts: every setting runs the same code
+from paradraft.config import BenchConfig, TrainConfig
 from paradraft.train.trainer import train
 
-SETTINGS = {
-    "baseline (lr 1e-3, 1 layer, decay 1.0, norm from verifier)": {},
-    "norm init ones": {"init_norm": "ones"},
-    "lr 3e-4": {"lr": 3e-4},
-    "depth decay 0.8": {"loss_decay": 0.8},
-    "2 draft layers": {"num_layers": 2},
-    "lr 3e-3": {"lr": 3e-3},
-    "trainable embeddings": {"train_embeddings": True},
+BASES = {
+    # the base of issue #5's sweep: the reference recipe's data, 100 steps
+    "recipe": dict(algorithm="peagle", batch_tokens=2048, lr=1e-3, warmup_steps=10, num_depths=8, val_samples=32,
+                   init_norm="verifier", num_layers=1, loss_decay=1.0),
+    # `make demo`'s train step (paradraft.quickstart), every held-out sample scored
+    "quickstart": dict(algorithm="peagle", batch_tokens=2048, lr=1e-3, warmup_steps=10, num_depths=7,
+                       val_samples=10_000, draft_vocab_size=8192),
 }
+
+SETTINGS = {
+    "base": {},
+    "norm init ones": {"init_norm": "ones"},
+    "norm init verifier": {"init_norm": "verifier"},
+    "lr 3e-4": {"lr": 3e-4},
+    "lr 3e-3": {"lr": 3e-3},
+    "depth decay 0.8": {"loss_decay": 0.8},
+    "deeper depths weighted 1.25^d": {"loss_decay": 1.25},
+    "2 draft layers": {"num_layers": 2},
+    "4 draft layers": {"num_layers": 4},
+    "trainable embeddings": {"train_embeddings": True},
+    "norm before residual": {"norm_before_residual": True},
+    "linear lr decay": {"lr_schedule": "linear"},
+    "hidden noise 0.1": {"hidden_noise": 0.1},
+    "hidden noise 0.3": {"hidden_noise": 0.3},
+    "2x steps": {"__steps_factor": 2},
+    # speculators' P-EAGLE trainer defaults that paradraft can serve in vLLM (its Qwen3-style draft layer for a
+    # Llama verifier is not one vLLM's Llama EAGLE-3 model loads)
+    "speculators defaults (norm before residual, linear lr)": {"norm_before_residual": True,
+                                                               "lr_schedule": "linear"},
+}
+
+
+def measure(drafter: str, data: str, prompts: int) -> dict:
+    """Acceptance length and per-position acceptance measured by `paradraft bench` (greedy, float32)."""
+    with tempfile.TemporaryDirectory() as d:
+        out = bench(BenchConfig(drafter=[drafter], dataset="sharegpt-val", data=data, num_prompts=prompts,
+                                max_new_tokens=96, num_speculative_tokens=[3, 7], repeats=1, prompt_lookup=False,
+                                dtype="float32", output=str(Path(d) / "bench.json")))
+    return {f"k{r['k']}": {"acceptance_length": r["acceptance_length"],
+                           "per_position_acceptance": r["per_position_acceptance"]}
+            for r in out["results"] if r["method"] != "plain"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
     ap.add_argument("--hidden-states", required=True)
+    ap.add_argument("--base", choices=sorted(BASES), default="recipe")
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--bench-prompts", type=int, default=0, help="also measure acceptance on this many prompts")
     ap.add_argument("--output", default="benchmarks/results/sweep_train_defaults.json")
-    ap.add_argument("--only", nargs="*", help="run only these setting names")
+    ap.add_argument("--only", nargs="*", choices=sorted(SETTINGS), help="run only these settings")
     a = ap.parse_args()
     old = json.loads(Path(a.output).read_text())["rows"] if a.only and Path(a.output).is_file() else []
     rows = [r for r in old if r["setting"] not in a.only] if a.only else []  # --only adds to an earlier sweep
     for name, over in SETTINGS.items():
         if a.only and name not in a.only:
             continue
+        over = dict(over)
+        steps = a.steps * over.pop("__steps_factor", 1)
         with tempfile.TemporaryDirectory() as d:
-            kw = dict(algorithm="peagle", data=a.data, hidden_states=a.hidden_states, output=d, max_steps=a.steps,
-                      batch_tokens=2048, lr=1e-3, warmup_steps=10, num_depths=8, save_every=10_000, val_samples=32,
-                      init_norm="verifier", num_layers=1, loss_decay=1.0)  # the base every setting changes one thing of
+            kw = dict(BASES[a.base], data=a.data, hidden_states=a.hidden_states, output=d, max_steps=steps,
+                      save_every=10_000)
             kw.update(over)
             t0 = time.time()
             final = train(TrainConfig(**kw))
+            secs = time.time() - t0
             v = final["val"]
-            rows.append({"setting": name, "overrides": over,
-                         "val_acceptance_length_k7": v["acceptance_length_estimate"],
-                         "val_acc_depth0": v["acc"][0], "val_acc": v["acc"], "seconds": time.time() - t0})
-            print(rows[-1], flush=True)
-            write(a, rows)  # after every setting: a stopped sweep keeps what it measured
+            row = {"setting": name, "overrides": over, "steps": steps, "seconds": secs,
+                   "val_acceptance_length_k7": v["acceptance_length_estimate"],
+                   "val_acceptance_length_by_k": v.get("acceptance_length_by_k"),
+                   "val_acc_depth0": v["acc"][0], "val_acc": v["acc"], "val_conditional_acc": v.get("conditional_acc")}
+            if a.bench_prompts:
+                row["measured"] = measure(d, a.data, a.bench_prompts)
+            rows.append(row)
+        print(json.dumps(row), flush=True)
+        write(a, rows)
 
 
 def write(a, rows) -> None:
-    out = {"benchmark": "sweep_train_defaults", "date": time.strftime("%Y-%m-%d"), "steps": a.steps,
-           "data": a.data, "rows": rows}
+    out = {"benchmark": "sweep_train_defaults", "date": time.strftime("%Y-%m-%d"), "steps": a.steps, "base": a.base,
+           "base_flags": BASES[a.base], "data": a.data, "rows": rows}
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)
     Path(a.output).write_text(json.dumps(out, indent=2) + "\n")
 

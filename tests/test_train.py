@@ -18,7 +18,7 @@ from paradraft.config import ExtractConfig, PrepareConfig, TrainConfig
 from paradraft.data.hidden_states import extract
 from paradraft.data.prepare import prepare
 from paradraft.models.loss import acceptance_estimate
-from paradraft.train.trainer import Trainer, TrainingError, train
+from paradraft.train.trainer import Trainer, TrainingError, lr_at, noisy, train
 
 
 def make_data(tmp: Path, tok, n=40):
@@ -49,12 +49,17 @@ def cfg(tmp, out, **kw):
     return TrainConfig(**base)
 
 
-@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+LEVERS = dict(hidden_noise=0.2, lr_schedule="linear", norm_before_residual=True, num_layers=2, loss_decay=1.25)
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3", "peagle-levers"])
 def test_resume_after_signal_ends_with_identical_weights(world, algorithm):
     tok, model, tmp = world
-    train(cfg(tmp, f"full-{algorithm}", algorithm=algorithm), verifier=model, tokenizer=tok)
+    kw = LEVERS if algorithm == "peagle-levers" else {}  # noise, schedule, 2 layers: resume stays exact
+    algo = algorithm.split("-")[0]
+    train(cfg(tmp, f"full-{algorithm}", algorithm=algo, **kw), verifier=model, tokenizer=tok)
     # the same run, stopped by SIGTERM after step 2, then resumed
-    t = Trainer(cfg(tmp, f"cut-{algorithm}", algorithm=algorithm), verifier=model, tokenizer=tok)
+    t = Trainer(cfg(tmp, f"cut-{algorithm}", algorithm=algo, **kw), verifier=model, tokenizer=tok)
     real_step = t.opt.step
 
     def step_then_signal(*a, **k):
@@ -65,7 +70,7 @@ def test_resume_after_signal_ends_with_identical_weights(world, algorithm):
     with pytest.raises(KeyboardInterrupt, match="checkpoint saved at step 2"):
         t.train()
     assert (tmp / f"cut-{algorithm}" / "checkpoints" / "step-0000002").is_dir()
-    train(cfg(tmp, f"cut-{algorithm}", algorithm=algorithm, resume=True), verifier=model, tokenizer=tok)
+    train(cfg(tmp, f"cut-{algorithm}", algorithm=algo, resume=True, **kw), verifier=model, tokenizer=tok)
     a = load_file(str(tmp / f"full-{algorithm}" / "model.safetensors"))
     b = load_file(str(tmp / f"cut-{algorithm}" / "model.safetensors"))
     assert a.keys() == b.keys()
@@ -74,6 +79,35 @@ def test_resume_after_signal_ends_with_identical_weights(world, algorithm):
     la = [json.loads(x)["loss"] for x in (tmp / f"full-{algorithm}" / "metrics.jsonl").read_text().splitlines()]
     lb = [json.loads(x)["loss"] for x in (tmp / f"cut-{algorithm}" / "metrics.jsonl").read_text().splitlines()]
     assert la == lb and len(la) == 6
+
+
+def test_levers_reach_the_checkpoint_and_change_training(world):
+    tok, model, tmp = world
+    train(cfg(tmp, "levers", **LEVERS), verifier=model, tokenizer=tok)
+    conf = json.loads((tmp / "levers" / "config.json").read_text())
+    assert conf["norm_before_residual"] is True and conf["transformer_layer_config"]["num_hidden_layers"] == 2
+    lrs = [json.loads(x)["lr"] for x in (tmp / "levers" / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[-1] < lrs[2] and lrs[-1] == pytest.approx(2e-3 * lr_at(5, 2, 6, "linear"))
+    # noise alone changes the trained weights (it is applied), and the same seed gives the same weights
+    for name, noise in (("quiet", 0.0), ("noisy", 0.3), ("noisy-again", 0.3)):
+        train(cfg(tmp, name, hidden_noise=noise), verifier=model, tokenizer=tok)
+    w = {n: load_file(str(tmp / n / "model.safetensors"))["fc.weight"] for n in ("quiet", "noisy", "noisy-again")}
+    assert not torch.equal(w["quiet"], w["noisy"]) and torch.equal(w["noisy"], w["noisy-again"])
+
+
+def test_lr_schedules():
+    assert [lr_at(s, 2, 10) for s in (0, 1)] == [0.5, 1.0]
+    assert lr_at(10, 2, 10) == pytest.approx(0.1) and lr_at(2, 2, 10) == pytest.approx(1.0)
+    assert lr_at(10, 2, 10, "linear") == 0.0 and lr_at(6, 2, 10, "linear") == pytest.approx(0.5)
+    assert lr_at(9, 2, 10, "constant") == 1.0
+
+
+def test_hidden_noise_is_relative_to_each_layer():
+    g = torch.Generator().manual_seed(0)
+    h = torch.cat([torch.randn(4000, 16) * s for s in (0.1, 1.0, 50.0)], dim=1)  # [T, 3H], three scales
+    n = noisy(h, 0.1, g) - h
+    for part, scale in zip(n.view(4000, 3, 16).unbind(1), (0.1, 1.0, 50.0)):
+        assert part.std().item() == pytest.approx(0.1 * scale, rel=0.05)
 
 
 def test_outputs_metrics_plot_and_config(world):

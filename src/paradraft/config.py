@@ -208,6 +208,10 @@ class PrepareConfig(Checked):
             raise ConfigError("--data: give at least one source")
 
 
+VLLM_PYTHON_HELP = ("with --engine vllm: the Python that has vLLM (default: $PARADRAFT_VLLM_PYTHON, else "
+                    ".venv-vllm/bin/python, else this Python)")
+
+
 @dataclasses.dataclass
 class RegenerateConfig(Checked):
     """`paradraft regenerate`: the verifier writes fresh answers to the user turns (on-policy data)."""
@@ -228,6 +232,13 @@ class RegenerateConfig(Checked):
     seed: int = opt(0, help="seed of the shuffle and of sampling")
     dtype: str = opt("bfloat16", help="verifier dtype", choices=["bfloat16", "float32"])
     timeout: float = opt(300.0, help="HTTP timeout per request with --endpoint (seconds)", gt=0)
+    engine: str = opt("paradraft", help="generate with paradraft's engine, or with vLLM offline (batched; "
+                      "--batch-size conversations per request batch)", choices=["paradraft", "vllm"])
+    vllm_python: str | None = opt(None, help=VLLM_PYTHON_HELP)
+
+    def check(self) -> None:
+        if self.endpoint and self.engine != "paradraft":
+            raise ConfigError("--endpoint sends requests to a server; --engine chooses a local engine: give one")
 
 
 @dataclasses.dataclass
@@ -268,6 +279,9 @@ class ExtractConfig(Checked):
                           "extract wrote)")
     max_samples: int | None = opt(None, help="extract at most this many samples", ge=1)
     device: str = opt("cpu", help="torch device")
+    engine: str = opt("hf", help="run the verifier with Hugging Face transformers, or inside vLLM (its "
+                      "extract_hidden_states method; needs a GPU build of vLLM)", choices=["hf", "vllm"])
+    vllm_python: str | None = opt(None, help=VLLM_PYTHON_HELP)
 
     def check(self) -> None:
         if self.layers is not None:
@@ -314,6 +328,8 @@ class TrainConfig(Checked):
     vocab: str | None = opt(None, help="draft vocabulary file from `paradraft vocab` (default: built from --data)")
     draft_vocab_size: int = opt(8192, help="draft vocabulary size when --vocab is not given", ge=1)
     num_layers: int = opt(1, help="draft decoder layers", ge=1)
+    norm_before_residual: bool | None = opt(None, help="the first layer's residual is the normalized hidden "
+                                            "state (default: the algorithm's)")
     num_depths: int = opt(8, help="P-EAGLE prediction depths trained (K drafted in one pass <= this)", ge=1)
     cod_ratio: float = opt(0.7, help="P-EAGLE COD keep ratio per depth", gt=0, le=1)
     cod_ratio_min: float = opt(0.2, help="P-EAGLE COD floor", gt=0, le=1)
@@ -329,7 +345,11 @@ class TrainConfig(Checked):
                                              "7, and at most --num-depths for P-EAGLE)", ge=1)
     lr: float = opt(1e-3, help="peak learning rate (AdamW; 1e-3 measured best on the embedded verifier)", gt=0)
     weight_decay: float = opt(0.0, help="AdamW weight decay", ge=0)
-    warmup_steps: int = opt(20, help="linear warmup steps, then cosine decay to 10%", ge=0)
+    warmup_steps: int = opt(20, help="linear warmup steps, then --lr-schedule", ge=0)
+    lr_schedule: str = opt("cosine", help="after warmup: cosine decay to 10% of --lr, linear decay to 0, or "
+                           "constant", choices=["cosine", "linear", "constant"])
+    hidden_noise: float = opt(0.0, help="training only: add Gaussian noise of this std, relative to each verifier "
+                              "hidden state's RMS, to the drafter's hidden-state inputs (a regulariser)", ge=0)
     max_grad_norm: float = opt(1.0, help="gradient clipping", gt=0)
     batch_tokens: int = opt(4096, help="slots per packed sequence (samples are packed with document ids)", ge=2)
     grad_accum: int = opt(1, help="packed sequences per optimizer step (per process)", ge=1)
@@ -410,6 +430,9 @@ class BenchConfig(Checked):
     force: bool = opt(False, help="use drafters recorded for another verifier")
     reuse: bool = opt(False, help="show the results in --output instead of measuring again when they are of this "
                       "exact benchmark (same flags, prompts and drafter weights)")
+    engine: str = opt("paradraft", help="decode with paradraft's engine, or inside vLLM (acceptance from vLLM's "
+                      "counters; prompt lookup is vLLM's ngram method)", choices=["paradraft", "vllm"])
+    vllm_python: str | None = opt(None, help=VLLM_PYTHON_HELP)
 
     def check(self) -> None:
         if not self.num_speculative_tokens:
@@ -450,6 +473,8 @@ class QuickstartConfig(Checked):
     num_depths: int = opt(7, help="P-EAGLE prediction depths (K=7 drafts need depths 0..6)", ge=1)
     bench_prompts: int = opt(6, help="held-out prompts benchmarked", ge=1)
     bench_tokens: int = opt(128, help="new tokens per benchmark prompt", ge=1)
+    bench_repeats: int = opt(3, help="benchmark repeats, plain and speculative interleaved; speeds are medians",
+                             ge=1)
     num_speculative_tokens: list[int] = opt(factory=lambda: [3, 5, 7], help="K values benchmarked", ge=1)
     seed: int = opt(0, help="seed")
 

@@ -9,6 +9,7 @@ checkpoint. torchrun gives DDP (gloo on CPU, NCCL on GPU); --fsdp shards the dra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -50,12 +51,27 @@ class ResumeMismatchError(TrainingError):
     """--resume with flags or data other than the run's (no older checkpoint can help)."""
 
 
-def lr_at(step: int, warmup_steps: int, total: int) -> float:
-    """Learning-rate multiplier: linear warmup, then cosine from 1 to 0.1 at `total` steps."""
+def lr_at(step: int, warmup_steps: int, total: int, schedule: str = "cosine") -> float:
+    """Learning-rate multiplier: linear warmup, then `schedule` over the remaining steps to `total`: cosine from 1
+    to 0.1, linear from 1 to 0 (the speculators trainers' default), or constant 1."""
     if step < warmup_steps:
         return (step + 1) / max(1, warmup_steps)
     progress = min(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - progress
+    if schedule == "constant":
+        return 1.0
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def noisy(hidden: torch.Tensor, rel_std: float, gen: torch.Generator) -> torch.Tensor:
+    """hidden [T, 3Hv] plus Gaussian noise of std rel_std x each verifier layer's per-slot RMS (the three
+    concatenated layers have very different scales). Drawn from the run's generator: resume stays exact."""
+    T, D = hidden.shape
+    parts = hidden.float().view(T, 3, D // 3)  # [T, 3, Hv]
+    rms = parts.pow(2).mean(-1, keepdim=True).sqrt()  # [T, 3, 1]
+    eps = torch.randn(parts.shape, generator=gen, device=gen.device).to(hidden.device)  # [T, 3, Hv]
+    return (parts + rel_std * rms * eps).view(T, D).to(hidden.dtype)
 
 
 TRAIN_OUTPUTS = KIND_FILES["train_run"]  # what train writes in --output (outputs.py, the one list)
@@ -215,6 +231,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         dcfg = DraftConfig.from_verifier(
             verifier.config, algorithm=cfg.algorithm, num_layers=cfg.num_layers, draft_vocab_size=len(d2t),
+            norm_before_residual=cfg.norm_before_residual,
             num_speculative_tokens=cfg.num_speculative_tokens, aux_layer_ids=list(self.source.layer_ids),
             verifier=resolve_verifier(self.verifier_name), **own)
         self.model = build_drafter(dcfg)
@@ -232,6 +249,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.step, self.epoch, self.pack_pos = 0, 0, 0
+        self.trained_tokens = 0  # depth-0 targets trained so far, every process (the data-scaling axis)
         self.stop_signal = None
 
     def _wrap(self, model):
@@ -270,7 +288,8 @@ class Trainer:
             tmp.mkdir(parents=True)
             save_tensors(sd, tmp / "model.safetensors")
             write_json(tmp / "state.json", {"step": self.step, "epoch": self.epoch, "pack_pos": self.pack_pos,
-                                            "world_size": self.dist.world, "config": config_to_dict(self.cfg),
+                                            "trained_tokens": self.trained_tokens, "world_size": self.dist.world,
+                                            "config": config_to_dict(self.cfg),
                                             "data_identity": self.data_identity})
         self.dist.barrier()
         # FSDP optimizer state is sharded: each rank keeps its own shard (resume with the same world size)
@@ -315,6 +334,7 @@ class Trainer:
             raise TrainingError(f"checkpoint {path} cannot be restored ({type(e).__name__}: {e})") from None
         self.opt.load_state_dict(opt_state)
         self.step, self.epoch, self.pack_pos = st["step"], st["epoch"], st["pack_pos"]
+        self.trained_tokens = st.get("trained_tokens", 0)
         if rng_state is not None:
             _set_rng_state(rng_state, self.gen)
 
@@ -371,6 +391,8 @@ class Trainer:
             g_idx = self.pack_pos + self.dist.rank * cfg.grad_accum + micro
             self.gen.manual_seed(cfg.seed * 1_000_003 + self.epoch * 100_003 + g_idx)
             b = self.target_head.slot_batch(self.source.get(pack))
+            if cfg.hidden_noise > 0:
+                b = dataclasses.replace(b, hidden=noisy(b.hidden, cfg.hidden_noise, self.gen))
             n_tok += len(b)
             with torch.autocast(self.device.split(":")[0], dtype=getattr(torch, cfg.autocast),
                                 enabled=cfg.autocast != "float32"):
@@ -434,16 +456,18 @@ class Trainer:
                     continue
                 mine = plan[self.pack_pos + self.dist.rank * cfg.grad_accum:
                             self.pack_pos + (self.dist.rank + 1) * cfg.grad_accum]
-                lr = cfg.lr * lr_at(self.step, cfg.warmup_steps, total)
+                lr = cfg.lr * lr_at(self.step, cfg.warmup_steps, total, cfg.lr_schedule)
                 loss_sum, stats_acc, n_tok, gnorm = self.train_step(mine, lr)
                 self.step += 1
                 self.pack_pos += per_step
                 tok_count += n_tok * self.dist.world
+                self.trained_tokens += round(self.dist.mean(float(stats_acc["count"][0])) * self.dist.world)
                 loss_g = self.dist.mean(loss_sum)
                 acc = [a / max(1, c) for a, c in zip(stats_acc["correct"], stats_acc["count"])]
                 now = time.time()
                 rec = {"step": self.step, "epoch": self.epoch, "loss": loss_g, "lr": lr, "grad_norm": float(gnorm),
-                       "acc": acc, "tokens_per_s": tok_count / max(1e-9, now - t_last)}
+                       "acc": acc, "tokens_per_s": tok_count / max(1e-9, now - t_last),
+                       "trained_tokens": self.trained_tokens, "step_s": now - t_last}
                 if cfg.val_every and self.step % cfg.val_every == 0 and len(self.val_idx):
                     last_val = self.validate()
                     rec["val"] = last_val
