@@ -33,7 +33,7 @@ def quickstart_steps(cfg: QuickstartConfig) -> list[tuple[str, object]]:
                               num_speculative_tokens=max(cfg.num_speculative_tokens))),
         ("bench", BenchConfig(verifier=cfg.verifier, drafter=[str(run / "peagle")], dataset="sharegpt-val",
                               data=str(data_dir), num_prompts=cfg.bench_prompts, max_new_tokens=cfg.bench_tokens,
-                              num_speculative_tokens=list(cfg.num_speculative_tokens), repeats=1,
+                              num_speculative_tokens=list(cfg.num_speculative_tokens), repeats=cfg.bench_repeats,
                               prompt_lookup=False, output=str(run / "results.json"), plot=str(run / "results.png"),
                               seed=cfg.seed)),
     ]
@@ -43,6 +43,23 @@ TITLES = {"regenerate": "regenerate answers with the verifier (on-policy data)",
           "prepare": "prepare (chat template, assistant loss mask, held-out split)",
           "extract": "extract verifier hidden states", "train": "train the P-EAGLE drafter",
           "bench": "benchmark against plain decoding on held-out prompts"}
+
+
+def verdict(best: dict, out: dict) -> str:
+    """The final line: what was measured, the median, and how much it moved between the interleaved repeats."""
+    per = best.get("speedup_per_repeat") or [best["speedup"]]
+    n = len(per)
+    line = (f"best: K={best['k']}, acceptance length {best['acceptance_length']:.2f} (an exact count), "
+            f"median speedup {best['speedup']:.2f}x over plain decoding on {out['num_prompts']} held-out prompts")
+    if n == 1:
+        return line + " (1 repeat: speeds on a busy machine can move by 0.1x or more)"
+    lo, hi = min(per), max(per)
+    line += f" ({n} interleaved repeats, {lo:.2f}x to {hi:.2f}x)"
+    if lo < 1.0 < hi:
+        line += "; the repeats disagree on faster or slower: this machine was too busy to tell"
+    elif hi <= 1.0:
+        line += "; slower than plain decoding here"
+    return line
 
 
 def quickstart(cfg: QuickstartConfig) -> dict:
@@ -65,7 +82,6 @@ def quickstart(cfg: QuickstartConfig) -> dict:
     print(f"[quickstart] finished in {time.time() - t0:.0f} s")
     print(f"[quickstart] P-EAGLE drafter:  {run / 'peagle'}  (training curve: {run / 'peagle' / 'training.png'})")
     print(f"[quickstart] results:          {res_path}  plot: {run / 'results.png'}")
-    print(f"[quickstart] best: K={best['k']}, acceptance length {best['acceptance_length']:.2f}, "
-          f"{best['speedup']:.2f}x over plain decoding")
+    print(f"[quickstart] {verdict(best, out)}")
     print(f"[quickstart] serve it in vLLM: paradraft export {run / 'peagle'} --output {run / 'peagle-vllm'}")
     return out

@@ -6,12 +6,19 @@ Metrics (one definition, here):
   per_position_acceptance [K]: fraction of verifier passes in which draft position i (1-based) was accepted
   tokens_per_s            new tokens / wall time (prefill included), median over --repeats (interleaved runs)
   speedup                 tokens_per_s / tokens_per_s of plain decoding in the same run
+  speedup_per_repeat      [repeats]: each repeat's tokens/s over the plain run of the same repeat (the spread says
+                          how noisy the machine was; runs are interleaved, so slow phases hit both sides)
   draft_fraction          drafting time / (drafting + verifying) in the speculative loop
+  passes, wall_s          verifier forward passes (prefills not counted) and wall time of one repeat (medians)
+  output_digest           fingerprint of the generated token ids (first repeat): equal digests = identical outputs,
+                          across methods and across engines (--engine paradraft | vllm)
 """
 
 from __future__ import annotations
 
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +36,9 @@ from ..errors import DataError
 from ..models.checkpoint import load_drafter
 from ..outputs import check_writable
 from ..utils import fingerprint, read_json, sha256_file, write_json
-from ..verifier import load_verifier
+from ..verifier import load_tokenizer, load_verifier
+from ..vllm_driver import find_vllm_python
+from .vllm import bench_vllm
 
 
 def load_prompts(dataset: str, num_prompts: int, tok, data: str | None = None) -> list[list[int]]:
@@ -77,7 +86,8 @@ def _summ(results, wall: float) -> dict:
     verify = sum(r.verify_s for r in results)
     return {"tokens": toks, "wall_s": wall, "passes": len(acc),
             "acceptance_length": (float(np.mean(acc)) + 1) if acc else 1.0,
-            "accepted": acc, "draft_s": draft, "verify_s": verify, "K_seen": K}
+            "accepted": acc, "draft_s": draft, "verify_s": verify, "K_seen": K,
+            "output_digest": fingerprint([list(map(int, r.token_ids)) for r in results])}
 
 
 def _run_engine(engine: Engine, prompts, g: GenerationConfig) -> dict:
@@ -118,6 +128,8 @@ def bench(cfg: BenchConfig) -> dict:
     check_writable(cfg.output, "--output", is_dir=False)  # before the work, not after it
     if cfg.plot:
         check_writable(cfg.plot, "--plot", is_dir=False)
+    if cfg.engine == "vllm":
+        find_vllm_python(cfg.vllm_python)  # before the work: a missing vLLM is a one-line error
     identity = bench_identity(cfg)
     if cfg.reuse and Path(cfg.output).is_file():
         try:
@@ -130,6 +142,15 @@ def bench(cfg: BenchConfig) -> dict:
             if cfg.plot and not Path(cfg.plot).is_file():
                 plot_results(old, cfg.plot)
             return old
+    if cfg.engine == "vllm":
+        tok = load_tokenizer(cfg.verifier)
+        prompts = load_prompts(cfg.dataset, cfg.num_prompts, tok, cfg.data)
+        out_dir = Path(cfg.output).resolve().parent
+        out_dir.mkdir(parents=True, exist_ok=True)
+        logs = Path(tempfile.mkdtemp(prefix=".paradraft-vllm-logs-", dir=out_dir))  # ours: removed on success
+        results, extra = bench_vllm(cfg, prompts, stop_token_ids(tok), logs)
+        shutil.rmtree(logs)
+        return _finish(cfg, identity, prompts, results, threads=None, extra={"engine": "vllm", **extra})
     model, tok = load_verifier(cfg.verifier, dtype=cfg.dtype)
     prompts = load_prompts(cfg.dataset, cfg.num_prompts, tok, cfg.data)
     eos = stop_token_ids(tok)
@@ -165,11 +186,13 @@ def bench(cfg: BenchConfig) -> dict:
                 runs[(m, path, k)].append(_run_engine(engines[path], prompts, g))
             bar.update(1)
     bar.close()
-    plain_tps = statistics.median(r["tokens"] / r["wall_s"] for r in runs[("plain", None, 0)])
+    plain_rs = runs[("plain", None, 0)]
+    plain_tps = statistics.median(r["tokens"] / r["wall_s"] for r in plain_rs)
     results = []
     for m, path, _d, k in methods:
         rs = runs[(m, path, k)]
         tps = statistics.median(r["tokens"] / r["wall_s"] for r in rs)
+        paired = [(r["tokens"] / r["wall_s"]) / (p["tokens"] / p["wall_s"]) for r, p in zip(rs, plain_rs)]
         acc = [a for r in rs for a in (r["accepted"] or [])]
         per_pos = [float(np.mean([a >= i for a in acc])) for i in range(1, k + 1)] if acc else None
         ds, vs = sum(r["draft_s"] for r in rs), sum(r["verify_s"] for r in rs)
@@ -177,12 +200,22 @@ def bench(cfg: BenchConfig) -> dict:
             "method": m, "drafter": path, "k": k,
             "acceptance_length": float(np.mean([r["acceptance_length"] for r in rs])) if m != "plain" else 1.0,
             "per_position_acceptance": per_pos, "tokens_per_s": tps, "speedup": tps / plain_tps,
-            "draft_fraction": ds / (ds + vs) if ds + vs > 0 else None,
+            "speedup_per_repeat": paired,
+            "draft_fraction": ds / (ds + vs) if ds + vs > 0 and m != "plain" else None,
             "tokens": int(np.median([r["tokens"] for r in rs])),
+            "output_digest": rs[0].get("output_digest"),
+            "passes": int(np.median([r["passes"] for r in rs])) if m != "plain" else int(np.median(
+                [r["tokens"] for r in rs])),
+            "wall_s": float(np.median([r["wall_s"] for r in rs])),
         })
+    return _finish(cfg, identity, prompts, results, threads=torch.get_num_threads(), extra={"engine": "paradraft"})
+
+
+def _finish(cfg: BenchConfig, identity: str, prompts, results: list, threads, extra: dict) -> dict:
+    """Write, print and plot a benchmark's results (either engine: one schema)."""
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "verifier": cfg.verifier, "dataset": cfg.dataset,
            "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-           "dtype": cfg.dtype, "repeats": cfg.repeats, "threads": torch.get_num_threads(), "identity": identity,
+           "dtype": cfg.dtype, "repeats": cfg.repeats, "threads": threads, "identity": identity, **extra,
            "results": results}
     write_json(cfg.output, out)
     print(format_table(out))
@@ -206,7 +239,7 @@ def drafter_labels(out: dict) -> dict[str, str]:
 def format_table(out: dict) -> str:
     """Markdown table of bench results."""
     lines = [f"{out['dataset']}, {out['num_prompts']} prompts, {out['max_new_tokens']} new tokens, "
-             f"T={out['temperature']}, {out['dtype']}",
+             f"T={out['temperature']}, {out['dtype']}, engine {out.get('engine', 'paradraft')}",
              "| method | drafter | K | acceptance length | tokens/s | speedup | draft time | per-position acceptance |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     names = drafter_labels(out)

@@ -26,8 +26,9 @@ from ..config import parse_shard
 from ..errors import UserError
 from ..outputs import check_replaceable, claim_dir, write_marker
 from ..utils import read_json, save_tensors, sha256_file, write_json
-from ..verifier import Tap, compute_samples, default_aux_layers, load_verifier
+from ..verifier import Tap, compute_samples, default_aux_layers, load_verifier, load_verifier_config, resolve_verifier
 from .prepare import PreparedDataset
+from .vllm_hidden import VllmHiddenStates, check_supported
 
 FORMAT = "paradraft-hidden-states-v1"
 
@@ -74,9 +75,15 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
     claim_dir(out, "hidden_states", "--output", legacy=lambda p: (p / "identity.json").is_file())
     verifier_name = cfg.verifier or ds.manifest["verifier"]
     dtype = getattr(torch, cfg.dtype)
-    if model is None:
-        model, tokenizer = load_verifier(verifier_name, dtype=dtype, device=cfg.device)
-    L, H = model.config.num_hidden_layers, model.config.hidden_size
+    engine = cfg.engine
+    if engine == "vllm":
+        check_supported(cfg.vllm_python)  # before anything is written: on CPU it cannot work, and says why
+        vcfg = load_verifier_config(verifier_name)
+    else:
+        if model is None:
+            model, tokenizer = load_verifier(verifier_name, dtype=dtype, device=cfg.device)
+        vcfg = model.config
+    L, H = vcfg.num_hidden_layers, vcfg.hidden_size
     layer_ids = resolve_layers(L, cfg.layers)
     bad = [i for i in layer_ids if not 0 <= i < L]
     if bad:  # checked before anything is written
@@ -114,8 +121,13 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
         raise NotEnoughDiskError(f"extraction needs {need / 2**30:.2f} GiB but {out} has only "
                                  f"{free / 2**30:.2f} GiB free; free space, use --trained-only, or --shard")
 
-    tap = Tap(model, layer_ids)
-    pad = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0)
+    if engine == "vllm":
+        compute = VllmHiddenStates(resolve_verifier(verifier_name), layer_ids, L, cfg.dtype,
+                                   max_len=max(lengths_kept, default=1), work_dir=out, python=cfg.vllm_python)
+    else:
+        tap = Tap(model, layer_ids)
+        pad = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0)
+        compute = HfHiddenStates(tap, cfg.batch_tokens, cfg.device, pad)
     bar = tqdm(total=sum(lengths_kept[i] for s in todo for i in shards[s]), unit="tok", unit_scale=True,
                desc="extract", disable=None)
     t0 = time.time()
@@ -127,24 +139,41 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
                 ids, mask = ds.sample(int(indices[i]))
                 cut = lengths_kept[i]
                 samples.append((ids[:cut], mask[:cut]))
-            results = compute_samples(tap, samples, cfg.batch_tokens, cfg.device, pad)
+            results = compute(samples)
             _write_shard(out, s, results, [int(indices[i]) for i in shards[s]], dtype, cfg.trained_only)
             n_done += len(samples)
             bar.update(sum(len(x[0]) for x in samples))
             bar.set_postfix(samples=f"{n_done}/{n_todo}")
+    except BaseException as e:
+        compute.__exit__(type(e), e, None)
+        raise
+    else:
+        compute.__exit__(None, None, None)
     finally:
-        tap.remove()
         bar.close()
     elapsed = time.time() - t0
     done = [s for s in range(len(shards)) if _shard_done(out, s)]
     manifest = None
     if len(done) == len(shards):
-        manifest = _write_manifest(out, identity, len(shards), H, model.config.vocab_size)
+        manifest = _write_manifest(out, identity, len(shards), H, vcfg.vocab_size)
         print(f"[extract] complete: {manifest['num_tokens']} tokens in {len(shards)} shards, "
               f"{manifest['bytes'] / 2**30:.2f} GiB -> {out}")
     else:
         print(f"[extract] shard {k}/{n} done in {elapsed:.1f} s; {len(done)}/{len(shards)} shards exist")
     return manifest or {"shards_done": len(done), "num_shards": len(shards)}
+
+
+class HfHiddenStates:
+    """The Hugging Face extraction as a callable like VllmHiddenStates: samples -> per-sample dicts."""
+
+    def __init__(self, tap: Tap, batch_tokens: int, device: str, pad_id: int):
+        self.tap, self.batch_tokens, self.device, self.pad_id = tap, batch_tokens, device, pad_id
+
+    def __call__(self, samples: list) -> list[dict]:
+        return compute_samples(self.tap, samples, self.batch_tokens, self.device, self.pad_id)
+
+    def __exit__(self, *exc) -> None:
+        self.tap.remove()
 
 
 def _claim_identity(out: Path, identity: dict, overwrite: bool = False) -> None:

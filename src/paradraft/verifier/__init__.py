@@ -24,6 +24,7 @@ from .load import (
     embedding_rows,
     load_tokenizer,
     load_verifier,
+    load_verifier_config,
     resolve_verifier,
 )
 from .runner import GenericRunner, VerifierRunner, make_runner
@@ -33,6 +34,6 @@ __all__ = [
     "EMBEDDED_NAME", "FAMILIES", "GENERIC", "Adapter", "GenericRunner", "Tap", "VerifierError", "VerifierHead",
     "VerifierRunner", "adapter_for", "batches_by_tokens", "cache_root", "check_tappable", "compute_samples",
     "decoder_layers", "default_aux_layers", "embedded_gguf_path", "embedded_model_dir", "embedding_rows",
-    "flavour_of", "load_tokenizer", "load_verifier", "make_runner", "register", "registered_families",
-    "resolve_verifier",
+    "flavour_of", "load_tokenizer", "load_verifier", "load_verifier_config", "make_runner", "register",
+    "registered_families", "resolve_verifier",
 ]

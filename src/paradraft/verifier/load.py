@@ -110,6 +110,13 @@ def load_tokenizer(name: str):
     return _from_pretrained(AutoTokenizer, name)
 
 
+def load_verifier_config(name: str):
+    """A verifier's Hugging Face config (no weights)."""
+    from transformers import AutoConfig
+
+    return _from_pretrained(AutoConfig, name)
+
+
 def load_verifier(name: str, dtype: torch.dtype | str = torch.bfloat16, device: str = "cpu"):
     """(model, tokenizer) of a verifier, in eval mode, checked to be tappable."""
     from transformers import AutoModelForCausalLM
