@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--milestones", type=int, default=4)
     ap.add_argument("--base-step", type=int, default=16, help="first milestone (steps); then x2 each")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--val-samples", type=int, default=10_000, help="held-out conversations validated")
     ap.add_argument("--bench-prompts", type=int, default=6)
     ap.add_argument("--bench-tokens", type=int, default=96)
     ap.add_argument("--output", default="benchmarks/results/data_scaling.json")
@@ -78,7 +79,7 @@ def main() -> None:
         cfg = TrainConfig(algorithm=algo, num_layers=layers, data=str(data), online=True, output=str(run),
                           max_steps=steps[-1], batch_tokens=2048, lr=1e-3, warmup_steps=min(10, steps[0]),
                           lr_schedule="constant", num_depths=8, save_every=a.base_step,
-                          keep_checkpoints=steps[-1] // a.base_step, val_every=a.base_step, val_samples=10_000,
+                          keep_checkpoints=steps[-1] // a.base_step, val_every=a.base_step, val_samples=a.val_samples,
                           resume=(run / "checkpoints").is_dir())
         t0 = time.time()
         train(cfg)

@@ -480,9 +480,9 @@ class Trainer:
                             tb.add_scalar(f"acc/depth{d}", a, self.step)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_g:.3f}", acc0=f"{acc[0]:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-                t_last, tok_count = now, 0
                 if self.step % cfg.save_every == 0 or self.stop_signal is not None:
                     self.save_checkpoint()
+                t_last, tok_count = time.time(), 0  # validation and checkpoints are not step time
                 if self.stop_signal is not None:
                     raise KeyboardInterrupt(f"signal {self.stop_signal}: checkpoint saved at step {self.step}")
         finally:

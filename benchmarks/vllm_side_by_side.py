@@ -1,0 +1,116 @@
+"""paradraft's engine and vLLM side by side on the same prompts, and what a speculative step costs inside vLLM.
+
+Runs `paradraft bench` with --engine paradraft and --engine vllm (same drafters, prompts, K values, repeats;
+prompt lookup: Hugging Face's in paradraft's run, vLLM's ngram method in vLLM's), then splits vLLM's time per
+verifier pass (wall / passes, batch 1):
+  plain step          one decode step of one token (model forward + scheduling + sampling)
+  verify K+1 tokens   a prompt-lookup pass at K (its drafting is an n-gram match on the CPU, next to free)
+  draft cost          a drafter's pass at K minus the prompt-lookup pass at the same K (P-EAGLE: one drafter forward;
+                      EAGLE-3: K of them)
+and writes the JSON and a markdown table. With --regenerate N it also times `paradraft regenerate` through both
+engines on the same N conversations (new tokens per second, --regenerate-batch conversations per batch).
+
+  python benchmarks/vllm_side_by_side.py --drafter DIR [--drafter DIR] --data DIR [--k 1 3 5 7] [--repeats 2]
+        [--dtype bfloat16] [--output benchmarks/results/vllm-side-by-side.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from paradraft.bench.run import bench, drafter_labels
+from paradraft.config import BenchConfig, RegenerateConfig
+from paradraft.regenerate import regenerate
+
+
+def per_pass_ms(r: dict) -> float:
+    return 1000 * r["wall_s"] / max(1, r["passes"])
+
+
+def costs(vllm_out: dict) -> list[dict]:
+    """Per-pass time decomposition of a vLLM benchmark (see the module docstring)."""
+    rows = vllm_out["results"]
+    plain = next(r for r in rows if r["method"] == "plain")
+    lookup = {r["k"]: r for r in rows if r["method"] == "prompt_lookup"}
+    names = drafter_labels(vllm_out)
+    out = []
+    for r in rows:
+        if r["method"] in ("plain", "prompt_lookup"):
+            continue
+        row = {"method": r["method"], "drafter": names[r["drafter"]], "k": r["k"],
+               "plain_step_ms": per_pass_ms(plain), "pass_ms": per_pass_ms(r),
+               "acceptance_length": r["acceptance_length"], "speedup": r["speedup"]}
+        if r["k"] in lookup:
+            row["verify_pass_ms"] = per_pass_ms(lookup[r["k"]])
+            row["draft_ms"] = row["pass_ms"] - row["verify_pass_ms"]
+        out.append(row)
+    return out
+
+
+def table(res: dict, cost_rows: list[dict]) -> str:
+    mine = {(r["method"], r["drafter"], r["k"]): r for r in res["paradraft"]["results"]}
+    names = drafter_labels(res["vllm"])
+    lines = ["| method | drafter | K | AL paradraft | AL vLLM | tokens/s paradraft | tokens/s vLLM | speedup paradraft "
+             "| speedup vLLM |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for v in res["vllm"]["results"]:
+        m = mine.get((v["method"], v["drafter"], v["k"]))
+        al_m = f"{m['acceptance_length']:.2f}" if m else "-"
+        tps_m = f"{m['tokens_per_s']:.1f}" if m else "-"
+        sp_m = f"{m['speedup']:.2f}x" if m else "-"
+        lines.append(f"| {v['method']} | {names.get(v['drafter'], '-')} | {v['k'] or '-'} | {al_m} | "
+                     f"{v['acceptance_length']:.2f} | {tps_m} | {v['tokens_per_s']:.1f} | {sp_m} | "
+                     f"{v['speedup']:.2f}x |")
+    lines += ["", "| method | drafter | K | vLLM plain step | verify pass (K+1 tokens) | drafter pass | draft cost |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for c in cost_rows:
+        lines.append(f"| {c['method']} | {c['drafter']} | {c['k']} | {c['plain_step_ms']:.1f} ms | "
+                     f"{c.get('verify_pass_ms', float('nan')):.1f} ms | {c['pass_ms']:.1f} ms | "
+                     f"{c.get('draft_ms', float('nan')):.1f} ms |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--drafter", action="append", required=True)
+    ap.add_argument("--data", required=True, help="prepared data whose held-out split gives the prompts")
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 3, 5, 7])
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--regenerate", type=int, default=0)
+    ap.add_argument("--regenerate-batch", type=int, default=16)
+    ap.add_argument("--output", default="benchmarks/results/vllm-side-by-side.json")
+    a = ap.parse_args()
+    out = Path(a.output)
+    common = dict(drafter=a.drafter, dataset="sharegpt-val", data=a.data, num_prompts=a.prompts,
+                  max_new_tokens=a.max_new_tokens, num_speculative_tokens=a.k, repeats=a.repeats, dtype=a.dtype)
+    res = {}
+    for engine in ("paradraft", "vllm"):
+        res[engine] = bench(BenchConfig(**common, engine=engine,
+                                        output=str(out.with_name(f"{out.stem}-{engine}.json"))))
+    cost_rows = costs(res["vllm"])
+    md = table(res, cost_rows)
+    regen = {}
+    if a.regenerate:
+        with tempfile.TemporaryDirectory() as d:
+            for engine in ("paradraft", "vllm"):
+                r = regenerate(RegenerateConfig(data=["sharegpt"], output=str(Path(d) / f"{engine}.jsonl"),
+                                                max_samples=a.regenerate, max_new_tokens=a.max_new_tokens,
+                                                max_prompt_tokens=256, batch_size=a.regenerate_batch, dtype=a.dtype,
+                                                engine=engine))
+                regen[engine] = {k: r[k] for k in ("written", "new_tokens", "seconds", "new_tokens_per_s")}
+        md += (f"\n\nregenerate, {a.regenerate} conversations, batch {a.regenerate_batch}, {a.dtype}: "
+               + ", ".join(f"{e} {v['new_tokens_per_s']} new tokens/s" for e, v in regen.items()))
+    out.write_text(json.dumps({"benchmark": "vllm_side_by_side", "date": time.strftime("%Y-%m-%d %H:%M"),
+                               "args": vars(a), "costs": cost_rows, "regenerate": regen, "table": md},
+                              indent=2) + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
