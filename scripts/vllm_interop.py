@@ -55,7 +55,8 @@ def regenerate_check(work: Path, verifier: str, n: int, max_tokens: int) -> dict
         stats[engine] = regenerate(RegenerateConfig(data=["sharegpt"], output=str(out), max_samples=n,
                                                     max_new_tokens=max_tokens, max_prompt_tokens=256, batch_size=n,
                                                     verifier=verifier, dtype="float32", engine=engine, seed=1))
-        answers[engine] = {json.loads(ln)["id"]: json.loads(ln)["messages"] for ln in out.read_text().splitlines()}
+        recs = [json.loads(ln) for ln in out.read_text().splitlines()]
+        answers[engine] = {r["id"]: r["messages"] for r in recs}
     same = sum(answers["paradraft"][i] == answers["vllm"].get(i) for i in answers["paradraft"])
     return {"conversations": len(answers["paradraft"]), "identical_answers": same, "stats": stats}
 

@@ -86,6 +86,12 @@ def chat_endpoint(url: str, model: str, messages: list[dict], max_tokens: int, t
         raise EndpointError(f"{url}: unexpected reply {str(reply)[:300]}") from None
 
 
+def prompt_ids(tok, conversations: list[list[dict]], max_prompt_tokens: int) -> list[list[int]]:
+    """Token ids each engine generates from: the chat template with the generation prompt, the last
+    `max_prompt_tokens` kept."""
+    return [encode_prompt(tok, {"messages": m})[-max_prompt_tokens:] for m in conversations]
+
+
 class LocalGenerator:
     """Batched generation with the verifier itself, through paradraft's engine (greedy or sampled)."""
 
@@ -101,7 +107,7 @@ class LocalGenerator:
     @torch.inference_mode()
     def __call__(self, conversations: list[list[dict]]) -> list[tuple[str, bool]]:
         """Answers to conversations: (text, truncated = stopped by the length limit, not by a stop token)."""
-        ids = [encode_prompt(self.tok, {"messages": m})[-self.cfg.max_prompt_tokens:] for m in conversations]
+        ids = prompt_ids(self.tok, conversations, self.cfg.max_prompt_tokens)
         self.gcfg.seed = self.cfg.seed + self.calls
         self.calls += 1
         outs = self.engine.generate(ids, self.gcfg)
@@ -123,7 +129,7 @@ class VllmGenerator:
         self.calls, self.failed = 0, False
 
     def __call__(self, conversations: list[list[dict]]) -> list[tuple[str, bool]]:
-        ids = [encode_prompt(self.tok, {"messages": m})[-self.cfg.max_prompt_tokens:] for m in conversations]
+        ids = prompt_ids(self.tok, conversations, self.cfg.max_prompt_tokens)
         seeds = None
         if self.cfg.temperature > 0:  # one seed per request, different on every call
             seeds = [self.cfg.seed * 1_000_003 + self.calls * len(ids) + i for i in range(len(ids))]

@@ -17,7 +17,6 @@ Metrics (one definition, here):
 from __future__ import annotations
 
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from ..outputs import check_writable
 from ..utils import fingerprint, read_json, sha256_file, write_json
 from ..verifier import load_tokenizer, load_verifier
 from ..vllm_driver import find_vllm_python
+from .metrics import speedup_per_repeat, tokens_per_s
 from .vllm import bench_vllm
 
 
@@ -187,12 +187,11 @@ def bench(cfg: BenchConfig) -> dict:
             bar.update(1)
     bar.close()
     plain_rs = runs[("plain", None, 0)]
-    plain_tps = statistics.median(r["tokens"] / r["wall_s"] for r in plain_rs)
+    plain_tps = tokens_per_s(plain_rs)
     results = []
     for m, path, _d, k in methods:
         rs = runs[(m, path, k)]
-        tps = statistics.median(r["tokens"] / r["wall_s"] for r in rs)
-        paired = [(r["tokens"] / r["wall_s"]) / (p["tokens"] / p["wall_s"]) for r, p in zip(rs, plain_rs)]
+        tps = tokens_per_s(rs)
         acc = [a for r in rs for a in (r["accepted"] or [])]
         per_pos = [float(np.mean([a >= i for a in acc])) for i in range(1, k + 1)] if acc else None
         ds, vs = sum(r["draft_s"] for r in rs), sum(r["verify_s"] for r in rs)
@@ -200,7 +199,7 @@ def bench(cfg: BenchConfig) -> dict:
             "method": m, "drafter": path, "k": k,
             "acceptance_length": float(np.mean([r["acceptance_length"] for r in rs])) if m != "plain" else 1.0,
             "per_position_acceptance": per_pos, "tokens_per_s": tps, "speedup": tps / plain_tps,
-            "speedup_per_repeat": paired,
+            "speedup_per_repeat": speedup_per_repeat(rs, plain_rs),
             "draft_fraction": ds / (ds + vs) if ds + vs > 0 and m != "plain" else None,
             "tokens": int(np.median([r["tokens"] for r in rs])),
             "output_digest": rs[0].get("output_digest"),

@@ -20,6 +20,7 @@ from ..models.checkpoint import load_drafter
 from ..utils import fingerprint
 from ..verifier import resolve_verifier
 from ..vllm_driver import VllmEngine, engine_args
+from .metrics import speedup_per_repeat, tokens_per_s
 
 PROMPT_LOOKUP_NGRAM = 2  # longest n-gram matched, as Hugging Face's prompt lookup (max_matching_ngram_size)
 
@@ -79,7 +80,7 @@ def bench_vllm(cfg: BenchConfig, prompts: list[list[int]], eos: list[int], log_d
                     plain_runs += paired
                 results.append((algo, path, k, runs, paired))
         bar.close()
-    plain_tps = statistics.median(r["tokens"] / r["wall_s"] for r in plain_runs)
+    plain_tps = tokens_per_s(plain_runs)
     rows = [{"method": "plain", "drafter": None, "k": 0, "acceptance_length": 1.0, "per_position_acceptance": None,
              "tokens_per_s": plain_tps, "speedup": 1.0, "speedup_per_repeat": None, "draft_fraction": None,
              "tokens": int(statistics.median(r["tokens"] for r in plain_runs)),
@@ -91,12 +92,11 @@ def bench_vllm(cfg: BenchConfig, prompts: list[list[int]], eos: list[int], log_d
         accepted = sum(r["num_accepted"] for r in runs)
         per_pos = [sum(r["accepted_per_pos"][i] for r in runs if len(r["accepted_per_pos"]) > i) / drafts
                    for i in range(k)] if drafts else None
-        tps = statistics.median(r["tokens"] / r["wall_s"] for r in runs)
+        tps = tokens_per_s(runs)
         rows.append({"method": algo, "drafter": path, "k": k,
                      "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
                      "per_position_acceptance": per_pos, "tokens_per_s": tps, "speedup": tps / plain_tps,
-                     "speedup_per_repeat": [(r["tokens"] / r["wall_s"]) / (p["tokens"] / p["wall_s"])
-                                            for r, p in zip(runs, paired)],
+                     "speedup_per_repeat": speedup_per_repeat(runs, paired),
                      "draft_fraction": None, "tokens": int(statistics.median(r["tokens"] for r in runs)),
                      "output_digest": runs[0]["output_digest"],
                      "passes": int(statistics.median(r["passes"] for r in runs)),

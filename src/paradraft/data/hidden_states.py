@@ -133,22 +133,18 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
     t0 = time.time()
     n_done, n_todo = 0, sum(len(shards[x]) for x in todo)
     try:
-        for s in todo:
-            samples = []
-            for i in shards[s]:
-                ids, mask = ds.sample(int(indices[i]))
-                cut = lengths_kept[i]
-                samples.append((ids[:cut], mask[:cut]))
-            results = compute(samples)
-            _write_shard(out, s, results, [int(indices[i]) for i in shards[s]], dtype, cfg.trained_only)
-            n_done += len(samples)
-            bar.update(sum(len(x[0]) for x in samples))
-            bar.set_postfix(samples=f"{n_done}/{n_todo}")
-    except BaseException as e:
-        compute.__exit__(type(e), e, None)
-        raise
-    else:
-        compute.__exit__(None, None, None)
+        with compute:
+            for s in todo:
+                samples = []
+                for i in shards[s]:
+                    ids, mask = ds.sample(int(indices[i]))
+                    cut = lengths_kept[i]
+                    samples.append((ids[:cut], mask[:cut]))
+                results = compute(samples)
+                _write_shard(out, s, results, [int(indices[i]) for i in shards[s]], dtype, cfg.trained_only)
+                n_done += len(samples)
+                bar.update(sum(len(x[0]) for x in samples))
+                bar.set_postfix(samples=f"{n_done}/{n_todo}")
     finally:
         bar.close()
     elapsed = time.time() - t0
@@ -171,6 +167,9 @@ class HfHiddenStates:
 
     def __call__(self, samples: list) -> list[dict]:
         return compute_samples(self.tap, samples, self.batch_tokens, self.device, self.pad_id)
+
+    def __enter__(self) -> "HfHiddenStates":
+        return self
 
     def __exit__(self, *exc) -> None:
         self.tap.remove()

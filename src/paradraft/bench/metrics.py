@@ -1,0 +1,15 @@
+"""Speed metrics of `paradraft bench`, one definition for both engines (see run.py's docstring for the schema)."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def tokens_per_s(runs: list[dict]) -> float:
+    """Median over repeats of new tokens / wall time; each run is {"tokens", "wall_s", ...}."""
+    return statistics.median(r["tokens"] / r["wall_s"] for r in runs)
+
+
+def speedup_per_repeat(runs: list[dict], plain: list[dict]) -> list[float]:
+    """Each repeat's tokens/s over that of the plain run of the same repeat (interleaved, so paired)."""
+    return [(r["tokens"] / r["wall_s"]) / (p["tokens"] / p["wall_s"]) for r, p in zip(runs, plain)]
