@@ -46,6 +46,7 @@ SETTINGS = {
     "trainable embeddings": {"train_embeddings": True},
     "norm before residual": {"norm_before_residual": True},
     "linear lr decay": {"lr_schedule": "linear"},
+    "mask_hidden zero init": {"mask_hidden_init": "zero"},
     "hidden noise 0.1": {"hidden_noise": 0.1},
     "hidden noise 0.3": {"hidden_noise": 0.3},
     "2x steps": {"__steps_factor": 2},

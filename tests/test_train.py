@@ -95,6 +95,17 @@ def test_levers_reach_the_checkpoint_and_change_training(world):
     assert not torch.equal(w["quiet"], w["noisy"]) and torch.equal(w["noisy"], w["noisy-again"])
 
 
+def test_mask_hidden_init(world):
+    tok, model, tmp = world
+    assert torch.count_nonzero(Trainer(cfg(tmp, "mh-normal"), verifier=model, tokenizer=tok).model.mask_hidden) > 0
+    t = Trainer(cfg(tmp, "mh-zero", mask_hidden_init="zero"), verifier=model, tokenizer=tok)
+    assert t.model.mask_hidden.shape[1] == 3 * model.config.hidden_size and not t.model.mask_hidden.any()
+    t.train()  # it trains from zero: the gradient reaches it
+    assert t.model.mask_hidden.any()
+    with pytest.raises(TrainingError, match="--mask-hidden-init zero applies to P-EAGLE only"):
+        Trainer(cfg(tmp, "mh-eagle3", algorithm="eagle3", mask_hidden_init="zero"), verifier=model, tokenizer=tok)
+
+
 def test_lr_schedules():
     assert [lr_at(s, 2, 10) for s in (0, 1)] == [0.5, 1.0]
     assert lr_at(10, 2, 10) == pytest.approx(0.1) and lr_at(2, 2, 10) == pytest.approx(1.0)
