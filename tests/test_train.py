@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import make_tiny_llama, make_tokenizer, save_tiny_verifier
-from paradraft.config import ExtractConfig, PrepareConfig, TrainConfig
+from paradraft.config import ConfigError, ExtractConfig, PrepareConfig, TrainConfig
 from paradraft.data.hidden_states import extract
 from paradraft.data.prepare import prepare
 from paradraft.models.loss import acceptance_estimate
@@ -102,8 +102,9 @@ def test_mask_hidden_init(world):
     assert t.model.mask_hidden.shape[1] == 3 * model.config.hidden_size and not t.model.mask_hidden.any()
     t.train()  # it trains from zero: the gradient reaches it
     assert t.model.mask_hidden.any()
-    with pytest.raises(TrainingError, match="--mask-hidden-init zero applies to P-EAGLE only"):
+    with pytest.raises(ConfigError, match="--mask-hidden-init zero applies to P-EAGLE only"):
         Trainer(cfg(tmp, "mh-eagle3", algorithm="eagle3", mask_hidden_init="zero"), verifier=model, tokenizer=tok)
+    assert not (tmp / "mh-eagle3").exists()  # refused before any work
 
 
 def test_lr_schedules():

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import ConfigError
 from ..data.vocab import draft_to_target_ids
 from ..verifier import default_aux_layers, flavour_of
 from .attention import Elements, attention
@@ -268,6 +269,9 @@ class DraftModel(nn.Module):
         """Fill this algorithm's defaults into a TrainConfig (K when not given) and refuse what it cannot train."""
         if cfg.num_speculative_tokens is None:
             cfg.num_speculative_tokens = 7
+        if cfg.mask_hidden_init != "normal":
+            raise ConfigError(f"--mask-hidden-init {cfg.mask_hidden_init} applies to P-EAGLE only (--algorithm "
+                              f"peagle; this run: {cfg.algorithm})")
 
     @classmethod
     def train_args(cls, cfg) -> dict:

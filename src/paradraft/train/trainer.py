@@ -236,9 +236,7 @@ class Trainer:
             verifier=resolve_verifier(self.verifier_name), **own)
         self.model = build_drafter(dcfg)
         self.model.init_from_verifier(verifier, d2t, t2d, norm=cfg.init_norm == "verifier")
-        if cfg.mask_hidden_init == "zero":
-            if not hasattr(self.model, "mask_hidden"):
-                raise TrainingError("--mask-hidden-init zero applies to P-EAGLE only (--algorithm peagle)")
+        if cfg.mask_hidden_init == "zero":  # P-EAGLE only (refused for others by resolve_train_config)
             with torch.no_grad():
                 self.model.mask_hidden.zero_()  # [1, 3Hv]
         # the drafter's own copy of the verifier's embeddings (written to every checkpoint): frozen unless asked
