@@ -10,8 +10,14 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
 
 from helpers import save_tiny_verifier
 from paradraft.cli import main
@@ -234,6 +240,63 @@ def test_resume_checks_flags_trims_metrics_and_falls_back(world, tmp_path, capsy
     assert "cannot be read" in out and "step-0000001" in out
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+def test_time_limit_pauses_and_the_same_command_continues_exactly(world, tmp_path, capsys):
+    tmp, _ = world
+    run = tmp_path / "run"
+    # a limit that the first step already exceeds: paused after step 1 of 2, one line, exit 75, nothing final
+    rc, _, err = run_cli(capsys, *train_args(tmp, run, "--time-limit", "1e-6"))
+    said = [x for x in err.splitlines() if x.startswith("paradraft train:")]
+    assert rc == 75 and len(said) == 1 and "Traceback" not in err, err
+    assert "paused" in said[0] and "--time-limit" in said[0] and "step 1 of 2" in said[0]
+    assert (run / "checkpoints" / "step-0000001").is_dir() and not (run / "model.safetensors").exists()
+    # without --resume the paused run is not replaced
+    assert run_cli(capsys, *train_args(tmp, run))[0] == 1
+    # the same command with --resume (in the next session) ends as the run that was never paused
+    assert run_cli(capsys, *train_args(tmp, run, "--time-limit", "1e-6", "--resume"))[0] == 0
+    a = load_file(str(tmp / "run" / "model.safetensors"))
+    b = load_file(str(run / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def recipe(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "run_recipe.py"), *map(str, argv)],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_recipes_check_their_flags(tmp_path):
+    for path in sorted((ROOT / "recipes").glob("*.yaml")):  # every shipped recipe builds (ranges, choices, keys)
+        r = recipe(path, "--check")
+        assert r.returncode == 0 and "flags valid" in r.stdout, (path, r.stderr)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps:\n  - command: train\n    algorithm: peagle\n    online: true\n    data: d\n"
+                   "    max_stepz: 3\n")
+    r = recipe(bad, "--check")  # a typo is named, not silently dropped
+    assert r.returncode == 1
+    assert r.stderr.strip() == f"run_recipe: error: {bad}: step 1 (train) has unknown keys max_stepz"
+
+
+def test_a_recipe_pauses_at_the_time_limit_and_the_same_command_continues(world, tmp_path):
+    tmp, _ = world
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"), "steps": [
+        {"command": "train", "data": str(tmp / "data"), "hidden_states": str(tmp / "hs"), "output": "{run_dir}/d",
+         "max_steps": 2, "save_every": 1, "num_depths": 4, "draft_vocab_size": 128, "batch_tokens": 200,
+         "autocast": "float32", "warmup_steps": 1, "time_limit": 1e-6},
+        {"command": "export", "drafter": "{run_dir}/d", "output": "{run_dir}/export"}]}))
+    first = recipe(rec)
+    assert first.returncode == 75 and "paused at step 1/2" in first.stdout, first.stdout + first.stderr
+    assert not (tmp_path / "run" / "export").exists()
+    second = recipe(rec)  # the next session: training resumes from step 1, ends, and the recipe goes on
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert (tmp_path / "run" / "export" / "config.json").is_file()
+    a = load_file(str(tmp / "run" / "model.safetensors"))
+    b = load_file(str(tmp_path / "run" / "d" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_config_json_top_level_is_what_runs(world, tmp_path, capsys):

@@ -8,7 +8,7 @@ import os
 import sys
 
 from . import config as C
-from .errors import UserError
+from .errors import PAUSED_EXIT, Paused, UserError
 
 # the machine, not paradraft, is at fault: no space, a read-only filesystem, no permission, quota
 ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         print(f"paradraft {args.command}: interrupted" + (f" ({e})" if str(e) else ""), file=sys.stderr)
         return 130
+    except Paused as e:
+        print(f"paradraft {args.command}: paused: {e}", file=sys.stderr)
+        return PAUSED_EXIT
     except UserError as e:  # bad input the user can fix: one line. Anything else is a bug and keeps its traceback.
         if os.environ.get("PARADRAFT_DEBUG"):
             raise

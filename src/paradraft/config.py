@@ -310,8 +310,8 @@ def parse_shard(spec: str) -> tuple[int, int]:
 
 # flags that may change when a run is resumed: how long it runs, how often it saves, logs and validates, where
 # its files are (the data's identity is checked separately). Everything else must equal the checkpoint's.
-RESUME_MAY_CHANGE = ("resume", "overwrite", "max_steps", "epochs", "save_every", "keep_checkpoints", "log_every",
-                     "val_every", "val_samples", "device", "attention", "output", "data", "hidden_states")
+RESUME_MAY_CHANGE = ("resume", "overwrite", "max_steps", "epochs", "save_every", "time_limit", "keep_checkpoints",
+                     "log_every", "val_every", "val_samples", "device", "attention", "output", "data", "hidden_states")
 
 
 @dataclasses.dataclass
@@ -360,6 +360,9 @@ class TrainConfig(Checked):
     max_steps: int | None = opt(None, help="stop after this many optimizer steps (overrides --epochs; epochs cycle)",
                                 ge=1)
     save_every: int = opt(100, help="checkpoint every N steps", ge=1)
+    time_limit: float | None = opt(None, help="minutes of training in this process: at the first step that would end "
+                                   "past them, save a checkpoint and stop, paused (exit 75); the same command with "
+                                   "--resume continues (a run longer than one session)", gt=0)
     keep_checkpoints: int = opt(2, help="how many step checkpoints to keep", ge=1)
     val_every: int = opt(0, help="validate every N steps (0 = only at the end)", ge=0)
     val_samples: int = opt(64, help="validation samples (held-out split)", ge=0)

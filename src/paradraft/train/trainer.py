@@ -30,7 +30,7 @@ from tqdm import tqdm
 from ..config import RESUME_MAY_CHANGE, TrainConfig, config_to_dict
 from ..data.prepare import PreparedDataset
 from ..data.vocab import draft_to_target_ids, draft_vocabulary, load_vocab
-from ..errors import UserError
+from ..errors import Paused, UserError
 from ..models.checkpoint import build_drafter, write_drafter
 from ..models.common import DraftConfig
 from ..models.loss import acceptance_estimate
@@ -446,6 +446,7 @@ class Trainer:
         bar = tqdm(total=total, initial=self.step, desc=f"train {cfg.algorithm}", unit="step",
                    disable=None if self.dist.main else True)
         t_last, tok_count = time.time(), 0
+        deadline = None if cfg.time_limit is None else t_last + 60 * cfg.time_limit
         last_val = None
         try:
             while self.step < total:
@@ -483,11 +484,17 @@ class Trainer:
                             tb.add_scalar(f"acc/depth{d}", a, self.step)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_g:.3f}", acc0=f"{acc[0]:.2f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-                if self.step % cfg.save_every == 0 or self.stop_signal is not None:
+                # the time limit: stop before a step that would end past it (every rank decides alike)
+                out_of_time = deadline is not None and self.step < total and \
+                    self.dist.mean(float(time.time() + rec["step_s"] > deadline)) > 0
+                if self.step % cfg.save_every == 0 or self.stop_signal is not None or out_of_time:
                     self.save_checkpoint()
                 t_last, tok_count = time.time(), 0  # validation and checkpoints are not step time
                 if self.stop_signal is not None:
                     raise KeyboardInterrupt(f"signal {self.stop_signal}: checkpoint saved at step {self.step}")
+                if out_of_time:
+                    raise Paused(f"--time-limit {cfg.time_limit:g} min reached at step {self.step} of {total}; "
+                                 f"checkpoint saved in {self.ckpt_dir} (the same command with --resume continues)")
         finally:
             bar.close()
             for s, h in old_signals.items():
@@ -582,7 +589,7 @@ def _merge(acc: dict | None, stats: dict) -> dict:
 
 
 # flags that do not change what a finished run produced (where files are, how often it saved and logged)
-IDENTITY_IGNORES = ("resume", "overwrite", "device", "output", "data", "hidden_states", "save_every",
+IDENTITY_IGNORES = ("resume", "overwrite", "device", "output", "data", "hidden_states", "save_every", "time_limit",
                     "keep_checkpoints", "log_every", "attention")
 
 
