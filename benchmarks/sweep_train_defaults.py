@@ -47,6 +47,10 @@ SETTINGS = {
     "norm before residual": {"norm_before_residual": True},
     "linear lr decay": {"lr_schedule": "linear"},
     "mask_hidden zero init": {"mask_hidden_init": "zero"},
+    "mask_hidden unit init": {"mask_hidden_init": "unit"},
+    # speculators' one mean over all elements weights depth d by the share COD keeps, ~0.7^d (depth 0: 31%)
+    "depth decay 0.7": {"loss_decay": 0.7},
+    "depth decay 0.5": {"loss_decay": 0.5},
     "hidden noise 0.1": {"hidden_noise": 0.1},
     "hidden noise 0.3": {"hidden_noise": 0.3},
     "2x steps": {"__steps_factor": 2},

@@ -102,6 +102,9 @@ def test_mask_hidden_init(world):
     assert t.model.mask_hidden.shape[1] == 3 * model.config.hidden_size and not t.model.mask_hidden.any()
     t.train()  # it trains from zero: the gradient reaches it
     assert t.model.mask_hidden.any()
+    unit = Trainer(cfg(tmp, "mh-unit", mask_hidden_init="unit"), verifier=model, tokenizer=tok).model.mask_hidden
+    assert 0.8 < float(unit.std()) < 1.2 and torch.equal(  # N(0, 1), from the run's seed
+        unit, Trainer(cfg(tmp, "mh-unit2", mask_hidden_init="unit"), verifier=model, tokenizer=tok).model.mask_hidden)
     with pytest.raises(ConfigError, match="--mask-hidden-init zero applies to P-EAGLE only"):
         Trainer(cfg(tmp, "mh-eagle3", algorithm="eagle3", mask_hidden_init="zero"), verifier=model, tokenizer=tok)
     assert not (tmp / "mh-eagle3").exists()  # refused before any work

@@ -339,9 +339,10 @@ class TrainConfig(Checked):
                                    gt=0)
     init_norm: str = opt("ones", help="drafter final norm starts as ones or as the verifier's final norm (measured "
                          "equal on the embedded verifier)", choices=["ones", "verifier"])
-    mask_hidden_init: str = opt("normal", help="P-EAGLE: mask_hidden starts as N(0, 0.02) noise or as zeros (then "
+    mask_hidden_init: str = opt("normal", help="P-EAGLE: mask_hidden starts as N(0, 0.02) noise, as zeros (then "
                                 "the depth >= 1 elements' residual starts empty and their attention output carries "
-                                "what they predict)", choices=["normal", "zero"])
+                                "what they predict) or as N(0, 1) (`unit`, speculators' init)",
+                                choices=["normal", "zero", "unit"])
     train_embeddings: bool = opt(False, help="train the drafter's copy of the verifier's token embeddings too "
                                  "(default: frozen, only P-EAGLE's mask row trains; exported either way)")
     num_speculative_tokens: int | None = opt(None, help="K recorded in the checkpoint (default: the algorithm's: "

@@ -236,9 +236,12 @@ class Trainer:
             verifier=resolve_verifier(self.verifier_name), **own)
         self.model = build_drafter(dcfg)
         self.model.init_from_verifier(verifier, d2t, t2d, norm=cfg.init_norm == "verifier")
-        if cfg.mask_hidden_init == "zero":  # P-EAGLE only (refused for others by resolve_train_config)
-            with torch.no_grad():
-                self.model.mask_hidden.zero_()  # [1, 3Hv]
+        if cfg.mask_hidden_init != "normal":  # P-EAGLE only (refused for others by resolve_train_config)
+            with torch.no_grad():  # mask_hidden [1, 3Hv]: zeros, or N(0, 1) from the run's seed
+                if cfg.mask_hidden_init == "zero":
+                    self.model.mask_hidden.zero_()
+                else:
+                    self.model.mask_hidden.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(cfg.seed))
         # the drafter's own copy of the verifier's embeddings (written to every checkpoint): frozen unless asked
         self.model.embed_tokens.weight.requires_grad_(cfg.train_embeddings)
         self.model.to(device)
