@@ -76,30 +76,47 @@ def main() -> None:
             continue
         algo, layers = CONFIGS[name]
         run = work / name
-        cfg = TrainConfig(algorithm=algo, num_layers=layers, data=str(data), online=True, output=str(run),
-                          max_steps=steps[-1], batch_tokens=2048, lr=1e-3, warmup_steps=min(10, steps[0]),
-                          lr_schedule="constant", num_depths=8, save_every=a.base_step,
-                          keep_checkpoints=steps[-1] // a.base_step, val_every=a.base_step, val_samples=a.val_samples,
-                          resume=(run / "checkpoints").is_dir())
         t0 = time.time()
-        train(cfg)
+        vals = validated(run)  # {step: val} of an earlier (interrupted) run of this script
+        for s in steps:  # one segment per milestone: validated, checkpointed and kept only there
+            if s in vals:
+                continue
+            cfg = TrainConfig(algorithm=algo, num_layers=layers, data=str(data), online=True, output=str(run),
+                              max_steps=s, batch_tokens=2048, lr=1e-3, warmup_steps=min(10, steps[0]),
+                              lr_schedule="constant", num_depths=8, save_every=10 ** 9, keep_checkpoints=10 ** 6,
+                              val_every=0, val_samples=a.val_samples, resume=(run / "checkpoints").is_dir())
+            vals[s] = train(cfg)["val"]
+            (run / "milestones.json").write_text(json.dumps({str(k): v for k, v in vals.items()}))
         secs = time.time() - t0
         metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         by_step = {m["step"]: m for m in metrics}
         for s in steps:
             m = by_step[s]
+            v = vals[s]
             drafter = drafter_at(run, s, work / f"{name}-step{s}")
             meas = measure(drafter, data, a.bench_prompts, a.bench_tokens)
             rows.append({"config": name, "algorithm": algo, "layers": layers, "step": s,
                          "trained_tokens": m["trained_tokens"],
                          "train_seconds": sum(x["step_s"] for x in metrics if x["step"] <= s),
-                         "run_seconds_total": secs, "val_acceptance_length_k7": m["val"]["acceptance_length_estimate"],
-                         "val_acc": m["val"]["acc"], "val_conditional_acc": m["val"]["conditional_acc"],
+                         "run_seconds_total": secs, "val_acceptance_length_k7": v["acceptance_length_estimate"],
+                         "val_acc": v["acc"], "val_conditional_acc": v["conditional_acc"],
                          "measured_k7": meas})
             print(json.dumps(rows[-1]), flush=True)
         write(out_path, a, rows)
     write(out_path, a, rows)
     plot(rows, a.plot)
+
+
+def validated(run: Path) -> dict:
+    """{step: held-out validation} of the run's saved checkpoints: validations logged in metrics.jsonl (val_every)
+    and those that ended a segment (milestones.json)."""
+    vals = {}
+    if (run / "metrics.jsonl").is_file():
+        vals = {m["step"]: m["val"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                if "val" in m}
+    if (run / "milestones.json").is_file():
+        vals.update({int(k): v for k, v in json.loads((run / "milestones.json").read_text()).items()})
+    return {s: v for s, v in vals.items() if (run / "checkpoints" / f"step-{s:07d}").is_dir()}
 
 
 def write(path: Path, a, rows: list) -> None:
