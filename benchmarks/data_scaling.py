@@ -10,6 +10,8 @@ acceptance length `paradraft bench` measures on held-out prompts (greedy, float3
         [--configs peagle-1 peagle-2 peagle-4 eagle3] [--output benchmarks/results/data_scaling.json]
         [--plot docs/data-scaling.png]
 
+It prints the markdown table of BENCHMARKS.md at the end (also: `--table-only`, from --output, running nothing).
+
 Rerunning continues: finished configs are kept (rows in --output), an interrupted training run resumes.
 """
 
@@ -61,7 +63,13 @@ def main() -> None:
     ap.add_argument("--bench-tokens", type=int, default=96)
     ap.add_argument("--output", default="benchmarks/results/data_scaling.json")
     ap.add_argument("--plot", default="docs/data-scaling.png")
+    ap.add_argument("--table-only", action="store_true", help="print the table and plot from --output, run nothing")
     a = ap.parse_args()
+    if a.table_only:
+        rows = json.loads(Path(a.output).read_text())["rows"]
+        plot(rows, a.plot)
+        print(table(rows))
+        return
     work = Path(a.work)
     data = work / "data"
     if not (data / "manifest.json").is_file():
@@ -105,6 +113,21 @@ def main() -> None:
         write(out_path, a, rows)
     write(out_path, a, rows)
     plot(rows, a.plot)
+    print(table(rows))
+
+
+def table(rows: list) -> str:
+    """The BENCHMARKS.md table: one line per (drafter shape, milestone)."""
+    out = ["| drafter | trained tokens | train s | estimate (K=7) | measured AL (K=7) | measured per position 1 / 2 "
+           "| depth-0 acc | depth 1 / 3 / 5 acc |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in CONFIGS:
+        for r in sorted((r for r in rows if r["config"] == name), key=lambda r: r["trained_tokens"]):
+            acc, pp = r["val_acc"], r["measured_k7"]["per_position_acceptance"]
+            deeper = " / ".join(f"{100 * acc[d]:.1f}" for d in (1, 3, 5) if d < len(acc))
+            out.append(f"| {name} | {r['trained_tokens']:,} | {r['train_seconds']:.0f} | "
+                       f"{r['val_acceptance_length_k7']:.3f} | {r['measured_k7']['acceptance_length']:.3f} | "
+                       f"{pp[0]:.3f} / {pp[1]:.3f} | {100 * acc[0]:.1f}% | {deeper} |")
+    return "\n".join(out)
 
 
 def validated(run: Path) -> dict:
