@@ -153,6 +153,7 @@ def plot(rows: list, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for name in CONFIGS:
@@ -165,6 +166,9 @@ def plot(rows: list, path: str) -> None:
     for ax, title in ((a1, "measured acceptance length (K=7, held-out prompts)"),
                       (a2, "held-out acceptance-length estimate (K=7)")):
         ax.set_xscale("log")
+        ax.set_xticks(sorted({r["trained_tokens"] for r in rows}))  # the milestones (the same data order)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:.0f}k"))
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda x, _: ""))
         ax.set_xlabel("trained tokens (one pass, original ShareGPT answers)")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
