@@ -123,7 +123,7 @@ def table(rows: list) -> str:
     for name in CONFIGS:
         for r in sorted((r for r in rows if r["config"] == name), key=lambda r: r["trained_tokens"]):
             acc, pp = r["val_acc"], r["measured_k7"]["per_position_acceptance"]
-            deeper = " / ".join(f"{100 * acc[d]:.1f}" for d in (1, 3, 5) if d < len(acc))
+            deeper = " / ".join(f"{100 * acc[d]:.1f}" if d < len(acc) else "-" for d in (1, 3, 5))  # EAGLE-3: ttt
             out.append(f"| {name} | {r['trained_tokens']:,} | {r['train_seconds']:.0f} | "
                        f"{r['val_acceptance_length_k7']:.3f} | {r['measured_k7']['acceptance_length']:.3f} | "
                        f"{pp[0]:.3f} / {pp[1]:.3f} | {100 * acc[0]:.1f}% | {deeper} |")
