@@ -479,10 +479,10 @@ class QuickstartConfig(Checked):
     max_steps: int = opt(120, help="training steps", ge=1)
     num_depths: int = opt(7, help="P-EAGLE prediction depths (K=7 drafts need depths 0..6)", ge=1)
     bench_prompts: int = opt(6, help="held-out prompts benchmarked", ge=1)
-    bench_tokens: int = opt(128, help="new tokens per benchmark prompt", ge=1)
+    bench_tokens: int = opt(96, help="new tokens per benchmark prompt", ge=1)
     bench_repeats: int = opt(3, help="benchmark repeats, plain and speculative interleaved; speeds are medians",
                              ge=1)
-    num_speculative_tokens: list[int] = opt(factory=lambda: [3, 5, 7], help="K values benchmarked", ge=1)
+    num_speculative_tokens: list[int] = opt(factory=lambda: [3, 7], help="K values benchmarked", ge=1)
     seed: int = opt(0, help="seed")
 
     def check(self) -> None:
