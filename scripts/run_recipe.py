@@ -4,7 +4,6 @@ pipeline (paradraft.pipeline.run_steps): each step reuses its output when it is 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -42,11 +41,10 @@ def load(path: str) -> tuple[str, list]:
             raise C.ConfigError(f"{path}: step {i} has command {name!r}; known: {', '.join(COMMANDS)}")
         cls = COMMANDS[name][0]
         flags = {k.replace("-", "_"): _fill(v, run_dir) for k, v in step.items()}
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(flags) - known)
-        if unknown:
-            raise C.ConfigError(f"{path}: step {i} ({name}) has unknown keys {', '.join(unknown)}")
-        steps.append((name, C.build_config(cls, None, flags)))
+        try:
+            steps.append((name, C.build_config(cls, None, flags)))
+        except C.ConfigError as e:
+            raise C.ConfigError(f"{path}: step {i} ({name}): {e}") from None
     return run_dir, steps
 
 

@@ -228,8 +228,13 @@ def test_config_yaml_then_flags(tmp_path):
     cfg = build_config(PrepareConfig, tmp_path / "c.yaml", {"seed": 9, "output": None})
     assert (cfg.seq_length, cfg.seed, cfg.data, cfg.output) == (128, 9, ["a.jsonl", "b.jsonl"], "runs/data")
     (tmp_path / "bad.yaml").write_text("seq_lenght: 1\n")
-    with pytest.raises(ConfigError, match="unknown key"):
+    with pytest.raises(ConfigError, match=r"unknown key 'seq_lenght' in .*bad.yaml; did you mean 'seq_length'\?"):
         build_config(PrepareConfig, tmp_path / "bad.yaml")
+    # overrides follow the same rule (recipes and library callers pass them): a misspelt key is named, not dropped
+    with pytest.raises(ConfigError, match="unknown key 'sede' for PrepareConfig; did you mean 'seed'"):
+        build_config(PrepareConfig, None, {"sede": 1})
+    with pytest.raises(ConfigError, match="unknown key 'zzz' for PrepareConfig; known keys: chat_template, data"):
+        build_config(PrepareConfig, None, {"zzz": 1})
 
 
 def test_cli_reports_errors_cleanly(tmp_path, capsys):

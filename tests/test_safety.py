@@ -277,7 +277,8 @@ def test_recipes_check_their_flags(tmp_path):
                    "    max_stepz: 3\n")
     r = recipe(bad, "--check")  # a typo is named, not silently dropped
     assert r.returncode == 1
-    assert r.stderr.strip() == f"run_recipe: error: {bad}: step 1 (train) has unknown keys max_stepz"
+    assert r.stderr.strip() == (f"run_recipe: error: {bad}: step 1 (train): unknown key 'max_stepz' for "
+                                "TrainConfig; did you mean 'max_steps'?")
 
 
 def test_a_recipe_pauses_at_the_time_limit_and_the_same_command_continues(world, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import types
 import typing
 from pathlib import Path
@@ -141,8 +142,15 @@ def _coerce(name: str, value: Any, tp) -> Any:
     return value
 
 
+def _unknown_key(key, names: set[str], where: str) -> str:
+    """One line naming an unknown config key: its closest known spelling, or every known key."""
+    close = difflib.get_close_matches(str(key).replace("-", "_"), sorted(names), n=1)
+    hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(sorted(names))}"
+    return f"unknown key '{key}' {where}; {hint}"
+
+
 def build_config(cls: type[T], yaml_path: str | Path | None = None, overrides: dict | None = None) -> T:
-    """Dataclass defaults <- YAML file <- overrides (non-None values only)."""
+    """Dataclass defaults <- YAML file <- overrides (non-None values only); an unknown key in either is an error."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
@@ -156,10 +164,14 @@ def build_config(cls: type[T], yaml_path: str | Path | None = None, overrides: d
         for k, v in loaded.items():
             key = str(k).replace("-", "_")
             if key not in names:
-                raise ConfigError(f"unknown key '{k}' in {path}; known keys: {', '.join(sorted(names))}")
+                raise ConfigError(_unknown_key(k, names, f"in {path}"))
             values[key] = _coerce(key, v, hints[key])
-    for k, v in (overrides or {}).items():
-        if k in names and v is not None:
+    overrides = overrides or {}
+    for k in overrides:  # one rule for recipes and library callers too: a misspelt key never vanishes silently
+        if k not in names:
+            raise ConfigError(_unknown_key(k, names, f"for {cls.__name__}"))
+    for k, v in overrides.items():
+        if v is not None:
             values[k] = _coerce(k, v, hints[k])
     try:
         return cls(**values)
@@ -169,7 +181,8 @@ def build_config(cls: type[T], yaml_path: str | Path | None = None, overrides: d
 
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
     """Build a config from parsed CLI args (see `add_config_args`)."""
-    values = dict(vars(args))
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in vars(args).items() if k in names}  # the namespace also holds the CLI's own names
     for k, v in vars(args).items():
         if k.startswith("_pos_") and v is not None:
             values[k[5:]] = v
