@@ -302,15 +302,49 @@ def test_incompatible_verifier_is_refused_clearly(tmp_path):
         load_drafter(tmp_path)
 
 
+def _slots(target_p, target_ids):
+    from paradraft.models.loss import SlotBatch
+
+    T = target_p.shape[0]
+    z = torch.zeros(T, dtype=torch.long)
+    return SlotBatch(tokens=z, hidden=torch.zeros(T, 3), positions=z, doc=z, target_p=target_p,
+                     target_ids=target_ids, valid=torch.ones(T, dtype=torch.bool))
+
+
+def test_draft_loss_is_the_kl_written_out_value_and_gradient():
+    from paradraft.models.loss import draft_loss
+
+    g = torch.Generator().manual_seed(0)
+    T, N, V = 5, 9, 12
+    p = torch.softmax(3 * torch.randn(T, V, generator=g), -1)
+    p[0, :4] = 0.0  # zero probabilities: 0 log 0 = 0
+    p = p / p.sum(-1, keepdim=True)
+    b = _slots(p, torch.randint(0, V, (T,), generator=g))
+    rows = torch.randint(0, T, (N,), generator=g)  # several elements share a slot, as depths do
+    valid = torch.rand(N, generator=g) > 0.2
+    d2t, t2d = torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool)
+    logits = torch.randn(N, V, generator=g, requires_grad=True)
+    kl, trained, correct = draft_loss(logits, b, rows, valid, d2t, t2d)
+    kl.sum().backward()
+    grad, logits.grad = logits.grad.clone(), None
+    pr = p[rows]
+    ref = (torch.xlogy(pr, pr) - pr * torch.log_softmax(logits, -1)).sum(-1) * valid  # KL(p || q), written out
+    ref.sum().backward()
+    torch.testing.assert_close(kl, ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, logits.grad, atol=1e-6, rtol=1e-5)
+    assert torch.equal(trained, valid) and (kl[valid] >= -1e-5).all()
+    assert torch.equal(correct, valid & (logits.argmax(-1) == b.target_ids[rows]))
+
+
 def test_a_pack_with_nothing_to_train_still_backpropagates():
     from paradraft.models.loss import depth_reduce, draft_loss
 
     logits = torch.randn(6, 10, requires_grad=True)
-    target_p = torch.softmax(torch.randn(6, 10), -1)
+    b = _slots(torch.softmax(torch.randn(6, 10), -1), torch.full((6,), 15))  # every target outside the vocabulary
     t2d = torch.zeros(20, dtype=torch.bool)
     t2d[:10] = True
-    kl, trained, correct = draft_loss(logits, target_p, torch.full((6,), 15), torch.ones(6, dtype=torch.bool),
-                                      torch.zeros(10, dtype=torch.long), t2d)  # every target outside the vocabulary
+    kl, trained, correct = draft_loss(logits, b, torch.arange(6), torch.ones(6, dtype=torch.bool),
+                                      torch.zeros(10, dtype=torch.long), t2d)
     valid, depth = torch.ones(6, dtype=torch.bool), torch.zeros(6, dtype=torch.long)
     loss, stats = depth_reduce(kl, trained, correct, valid, depth, 1)
     loss.backward()

@@ -18,7 +18,7 @@ from paradraft.config import ConfigError, ExtractConfig, PrepareConfig, TrainCon
 from paradraft.data.hidden_states import extract
 from paradraft.data.prepare import prepare
 from paradraft.models.loss import acceptance_estimate
-from paradraft.train.trainer import Trainer, TrainingError, lr_at, noisy, train
+from paradraft.train.trainer import Trainer, TrainingError, lr_at, noisy, resolve_autocast, train
 
 
 def make_data(tmp: Path, tok, n=40):
@@ -79,6 +79,33 @@ def test_resume_after_signal_ends_with_identical_weights(world, algorithm):
     la = [json.loads(x)["loss"] for x in (tmp / f"full-{algorithm}" / "metrics.jsonl").read_text().splitlines()]
     lb = [json.loads(x)["loss"] for x in (tmp / f"cut-{algorithm}" / "metrics.jsonl").read_text().splitlines()]
     assert la == lb and len(la) == 6
+
+
+def test_autocast_auto_follows_the_hardware_and_a_resumed_run_keeps_its_dtype(world, monkeypatch):
+    tok, model, tmp = world
+    for amx, want in ((True, "bfloat16"), (False, "float32")):  # the CPU's AMX tiles decide (bf16's fast path)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        assert resolve_autocast("auto", "cpu") == want
+        assert resolve_autocast("float32", "cpu") == "float32" and resolve_autocast("bfloat16", "cpu") == "bfloat16"
+    # a run begun in bf16 (an AMX machine) and resumed with auto where bf16 is slow goes on in bf16: same numerics
+    with pytest.raises(KeyboardInterrupt):
+        t = Trainer(cfg(tmp, "amx", autocast="bfloat16", max_steps=4, save_every=2), verifier=model, tokenizer=tok)
+        real_step = t.opt.step
+
+        def step_then_signal(*a, **k):
+            real_step(*a, **k)
+            if t.step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+        t.opt.step = step_then_signal
+        t.train()
+    assert json.loads((tmp / "amx" / "checkpoints" / "step-0000002" / "state.json").read_text())["autocast"] \
+        == "bfloat16"
+    final = train(cfg(tmp, "amx", autocast="auto", max_steps=4, save_every=2, resume=True), verifier=model,
+                  tokenizer=tok)
+    assert final["autocast"] == "bfloat16"
+    # the same flags started anew follow this machine
+    assert train(cfg(tmp, "noamx", autocast="auto", max_steps=1), verifier=model, tokenizer=tok)["autocast"] \
+        == "float32"
 
 
 def test_levers_reach_the_checkpoint_and_change_training(world):

@@ -385,7 +385,9 @@ class TrainConfig(Checked):
     resume: bool = opt(False, help="continue from the last checkpoint in --output (the flags must match it)")
     overwrite: bool = opt(False, help="replace a training run this command wrote before in --output (its own files "
                           "only)")
-    autocast: str = opt("bfloat16", help="autocast dtype (weights stay float32)", choices=["bfloat16", "float32"])
+    autocast: str = opt("auto", help="autocast dtype (weights stay float32); auto: bfloat16 on a GPU that has it or a "
+                        "CPU with AMX, else float32 (without AMX, CPU bf16 matmuls are slower than float32)",
+                        choices=["auto", "bfloat16", "float32"])
     attention: str = opt("auto", help="attention backend: sdpa (dense mask), flex (GPU), auto",
                          choices=["auto", "sdpa", "flex"])
     fsdp: bool = opt(False, help="shard the drafter with FSDP (torchrun, large drafters on GPUs)")

@@ -76,7 +76,7 @@ class Eagle3Drafter(DraftModel):
             cache.append(kv, elems)
             logits = self.logits(h)
             tgt = anchors + s
-            kl, tr, cor = draft_loss(logits, b.target_p[tgt], b.target_ids[tgt], b.valid[tgt], self.d2t, self.t2d)
+            kl, tr, cor = draft_loss(logits, b, tgt, b.valid[tgt], self.d2t, self.t2d)
             for lst, v in zip((all_kl, all_tr, all_cor, all_val, all_dep), (kl, tr, cor, b.valid[tgt], depth)):
                 lst.append(v)
             logits_out.append(logits)

@@ -184,7 +184,7 @@ class PEagleDrafter(DraftModel):
         logits = self.logits(h)  # [N, Vd]
         tgt = torch.clamp(anchor + depth, max=len(b) - 1)
         valid = b.valid[tgt] & (anchor + depth < len(b))
-        kl, trained, correct = draft_loss(logits, b.target_p[tgt], b.target_ids[tgt], valid, self.d2t, self.t2d)
+        kl, trained, correct = draft_loss(logits, b, tgt, valid, self.d2t, self.t2d)
         loss, stats = depth_reduce(kl, trained, correct, valid, depth, num_depths, decay)
         stats["num_elements"] = int(anchor.numel())
         stats["elements"] = (anchor.detach(), depth.detach(), correct.detach(), valid.detach())
