@@ -103,6 +103,15 @@ def test_autocast_auto_follows_the_hardware_and_a_resumed_run_keeps_its_dtype(wo
     final = train(cfg(tmp, "amx", autocast="auto", max_steps=4, save_every=2, resume=True), verifier=model,
                   tokenizer=tok)
     assert final["autocast"] == "bfloat16"
+    # the finished run is what auto means where bf16 is the fast path (reused), and not where it is not
+    again = cfg(tmp, "amx", autocast="auto", max_steps=4, save_every=2)
+    with pytest.raises(TrainingError, match="holds a training run"):
+        train(again, verifier=model, tokenizer=tok)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    reused = train(again, verifier=model, tokenizer=tok)  # read back from provenance.json
+    assert (reused["step"], reused["autocast"], reused["val"]["acceptance_length_estimate"]) == \
+        (4, "bfloat16", final["val"]["acceptance_length_estimate"])
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     # the same flags started anew follow this machine
     assert train(cfg(tmp, "noamx", autocast="auto", max_steps=1), verifier=model, tokenizer=tok)["autocast"] \
         == "float32"

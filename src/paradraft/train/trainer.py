@@ -538,10 +538,10 @@ class Trainer:
         """The final checkpoint goes to --output itself, in the export format, beside metrics and the plot."""
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-final-", dir=self.out))
         try:
+            identity = train_identity(self.cfg, self.data_identity, self.autocast)
             write_drafter(self.model, tmp, state_dict=state_dict,
                           extra_provenance={"train_config": config_to_dict(self.cfg), "final": final,
-                                            "data_identity": self.data_identity,
-                                            "train_identity": train_identity(self.cfg, self.data_identity)})
+                                            "data_identity": self.data_identity, "train_identity": identity})
             for f in ("model.safetensors", "provenance.json", "config.json"):  # config.json last
                 os.replace(tmp / f, self.out / f)
         finally:
@@ -619,9 +619,13 @@ def dataset_identity(manifest: dict) -> str:
     return fingerprint(manifest.get("identity") or manifest)
 
 
-def train_identity(cfg: TrainConfig, data_identity: str) -> str:
-    """What a finished run was made from: its resolved flags (less IDENTITY_IGNORES) and its dataset."""
+def train_identity(cfg: TrainConfig, data_identity: str, autocast: str | None = None) -> str:
+    """What a finished run was made from: its resolved flags (less IDENTITY_IGNORES) and its dataset. `autocast` is
+    the dtype the run used (default: what --autocast means on this machine), so `auto` reuses a run made in the dtype
+    it resolves to here, whichever way that run spelled it."""
     kept = {k: v for k, v in config_to_dict(cfg).items() if k not in IDENTITY_IGNORES}
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    kept["autocast"] = autocast or resolve_autocast(cfg.autocast, device)
     return fingerprint({"config": kept, "data": data_identity})
 
 
