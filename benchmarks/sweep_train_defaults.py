@@ -51,6 +51,9 @@ SETTINGS = {
     # speculators' one mean over all elements weights depth d by the share COD keeps, ~0.7^d (depth 0: 31%)
     "depth decay 0.7": {"loss_decay": 0.7},
     "depth decay 0.5": {"loss_decay": 0.5},
+    # speculators keeps the drafter's lm_head at the verifier's rows: fewer weights to fit on little data
+    "frozen lm_head": {"freeze_lm_head": True},
+    "frozen lm_head, depth decay 0.7": {"freeze_lm_head": True, "loss_decay": 0.7},
     "hidden noise 0.1": {"hidden_noise": 0.1},
     "hidden noise 0.3": {"hidden_noise": 0.3},
     "2x steps": {"__steps_factor": 2},

@@ -17,6 +17,7 @@ from helpers import make_tiny_llama, make_tokenizer, save_tiny_verifier
 from paradraft.config import ConfigError, ExtractConfig, PrepareConfig, TrainConfig
 from paradraft.data.hidden_states import extract
 from paradraft.data.prepare import prepare
+from paradraft.data.vocab import draft_to_target_ids
 from paradraft.models.loss import acceptance_estimate
 from paradraft.train.trainer import Trainer, TrainingError, lr_at, noisy, resolve_autocast, train
 
@@ -218,6 +219,21 @@ def test_embeddings_frozen_by_default_trained_on_request(world, algorithm):
     assert changed(rows[False]) == ({mask_row} if algorithm == "peagle" else set())  # only P-EAGLE's mask row trains
     trained = changed(rows[True]) - {mask_row}
     assert len(trained) > 5  # the rows of tokens the drafter read moved
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_freeze_lm_head_keeps_the_verifier_rows(world, algorithm):
+    tok, model, tmp = world
+    heads = {}
+    for flag in (False, True):
+        out = f"head-{algorithm}-{flag}"
+        train(cfg(tmp, out, algorithm=algorithm, max_steps=3, freeze_lm_head=flag), verifier=model, tokenizer=tok)
+        sd = load_file(str(tmp / out / "model.safetensors"))
+        rows = model.lm_head.weight.detach()[draft_to_target_ids(sd["d2t"].long())]  # the verifier's draft rows
+        heads[flag] = (sd["lm_head.weight"], rows, sd["fc.weight"])
+    assert torch.equal(heads[True][0], heads[True][1])  # frozen: exactly the verifier's rows, exported as they are
+    assert not torch.equal(heads[False][0], heads[False][1])  # the default trains them
+    assert not torch.equal(heads[True][2], heads[False][2])  # and the rest trains either way (differently)
 
 
 def test_acceptance_estimate_formula():

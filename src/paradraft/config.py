@@ -358,6 +358,8 @@ class TrainConfig(Checked):
                                 choices=["normal", "zero", "unit"])
     train_embeddings: bool = opt(False, help="train the drafter's copy of the verifier's token embeddings too "
                                  "(default: frozen, only P-EAGLE's mask row trains; exported either way)")
+    freeze_lm_head: bool = opt(False, help="keep the drafter's lm_head at the verifier's draft-vocabulary rows "
+                               "(speculators' default; 4.7M fewer trained weights for SmolLM2 at an 8k draft vocab)")
     num_speculative_tokens: int | None = opt(None, help="K recorded in the checkpoint (default: the algorithm's: "
                                              "7, and at most --num-depths for P-EAGLE)", ge=1)
     lr: float = opt(1e-3, help="peak learning rate (AdamW; 1e-3 measured best on the embedded verifier)", gt=0)

@@ -258,6 +258,7 @@ class Trainer:
                     self.model.mask_hidden.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(cfg.seed))
         # the drafter's own copy of the verifier's embeddings (written to every checkpoint): frozen unless asked
         self.model.embed_tokens.weight.requires_grad_(cfg.train_embeddings)
+        self.model.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)  # the verifier's rows, or trained from them
         self.model.to(device)
         backend = cfg.attention if cfg.attention != "auto" else ("flex" if device.startswith("cuda") else "sdpa")
         self.model.backend = backend
