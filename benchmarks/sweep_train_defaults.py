@@ -53,7 +53,8 @@ SETTINGS = {
     "depth decay 0.5": {"loss_decay": 0.5},
     # speculators keeps the drafter's lm_head at the verifier's rows: fewer weights to fit on little data
     "frozen lm_head": {"freeze_lm_head": True},
-    "frozen lm_head, depth decay 0.7": {"freeze_lm_head": True, "loss_decay": 0.7},
+    # ... and trains the whole embedding matrix instead (its P-EAGLE trainable set)
+    "frozen lm_head, trainable embeddings": {"freeze_lm_head": True, "train_embeddings": True},
     "hidden noise 0.1": {"hidden_noise": 0.1},
     "hidden noise 0.3": {"hidden_noise": 0.3},
     "2x steps": {"__steps_factor": 2},
