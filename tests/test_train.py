@@ -53,10 +53,11 @@ def cfg(tmp, out, **kw):
 LEVERS = dict(hidden_noise=0.2, lr_schedule="linear", norm_before_residual=True, num_layers=2, loss_decay=1.25)
 
 
-@pytest.mark.parametrize("algorithm", ["peagle", "eagle3", "peagle-levers"])
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3", "peagle-levers", "peagle-muon"])
 def test_resume_after_signal_ends_with_identical_weights(world, algorithm):
     tok, model, tmp = world
-    kw = LEVERS if algorithm == "peagle-levers" else {}  # noise, schedule, 2 layers: resume stays exact
+    # noise, schedule, 2 layers; Muon's momentum and AdamW's moments both checkpointed: resume stays exact
+    kw = {"peagle-levers": LEVERS, "peagle-muon": dict(optimizer="muon", muon_lr=4e-3)}.get(algorithm, {})
     algo = algorithm.split("-")[0]
     train(cfg(tmp, f"full-{algorithm}", algorithm=algo, **kw), verifier=model, tokenizer=tok)
     # the same run, stopped by SIGTERM after step 2, then resumed
@@ -236,6 +237,56 @@ def test_freeze_lm_head_keeps_the_verifier_rows(world, algorithm):
     assert not torch.equal(heads[True][2], heads[False][2])  # and the rest trains either way (differently)
 
 
+def test_muon_trains_the_layer_matrices_and_adamw_the_rest(world):
+    tok, model, tmp = world
+    t = Trainer(cfg(tmp, "muon-groups", optimizer="muon", muon_lr=6e-3, train_embeddings=True), verifier=model,
+                tokenizer=tok)
+    names = {id(p): n for n, p in t.model.named_parameters()}
+    muon = {names[id(p)] for g in t.opt.muon.param_groups for p in g["params"]}
+    adamw = {names[id(p)] for g in t.opt.adamw.param_groups for p in g["params"]}
+    assert {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"} <= muon
+    assert all(t.model.get_parameter(n).ndim == 2 for n in muon)
+    assert {"embed_tokens.weight", "lm_head.weight", "mask_hidden", "norm.weight"} <= adamw  # tables, vectors
+    assert not muon & adamw and muon | adamw == {n for n, p in t.model.named_parameters() if p.requires_grad}
+    t.train()
+    rows = [json.loads(x) for x in (tmp / "muon-groups" / "metrics.jsonl").read_text().splitlines()]
+    # the Muon group runs at --muon-lr on --lr's schedule; metrics log --lr's
+    assert [g["lr"] for g in t.opt.muon.param_groups] == [pytest.approx(3 * rows[-1]["lr"])]
+    assert [g["lr"] for g in t.opt.adamw.param_groups] == [pytest.approx(rows[-1]["lr"])]
+    adam_run = train(cfg(tmp, "adamw-groups", train_embeddings=True), verifier=model, tokenizer=tok)
+    a = load_file(str(tmp / "muon-groups" / "model.safetensors"))
+    b = load_file(str(tmp / "adamw-groups" / "model.safetensors"))
+    assert not torch.equal(a["fc.weight"], b["fc.weight"]) and adam_run["step"] == rows[-1]["step"] == 6
+    # another optimizer cannot continue a run's optimizer state; muon-only flags need muon
+    with pytest.raises(TrainingError, match="--optimizer 'adamw' \\(the checkpoint has 'muon'\\)"):
+        train(cfg(tmp, "muon-groups", optimizer="adamw", resume=True, max_steps=9), verifier=model, tokenizer=tok)
+    with pytest.raises(ConfigError, match="--muon-lr and --muon-weight-decay apply to --optimizer muon"):
+        cfg(tmp, "x", muon_lr=1e-3)
+
+
+def test_a_checkpoint_from_before_a_flag_existed_resumes_with_its_default(world):
+    tok, model, tmp = world
+    with pytest.raises(KeyboardInterrupt):
+        t = Trainer(cfg(tmp, "old", max_steps=4, save_every=2), verifier=model, tokenizer=tok)
+        real_step = t.opt.step
+
+        def step_then_signal(*a, **k):
+            real_step(*a, **k)
+            if t.step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+        t.opt.step = step_then_signal
+        t.train()
+    state = tmp / "old" / "checkpoints" / "step-0000002" / "state.json"
+    st = json.loads(state.read_text())
+    for k in ("optimizer", "muon_lr", "muon_weight_decay", "freeze_lm_head"):  # written before these flags
+        del st["config"][k]
+    state.write_text(json.dumps(st))
+    assert train(cfg(tmp, "old", max_steps=4, save_every=2, resume=True), verifier=model, tokenizer=tok)["step"] == 4
+    with pytest.raises(TrainingError, match="--freeze-lm-head True \\(the checkpoint has False\\)"):
+        train(cfg(tmp, "old", max_steps=6, save_every=2, resume=True, freeze_lm_head=True), verifier=model,
+              tokenizer=tok)
+
+
 def test_acceptance_estimate_formula():
     # 3 chains (anchors 0..2), depths 0..2: correctness pattern per anchor
     pattern = {0: [1, 1, 0], 1: [1, 0, 1], 2: [0, 1, 1]}
@@ -285,6 +336,20 @@ def test_torchrun_ddp_matches_one_process(tmp_path):
         torch.testing.assert_close(w3[k], w2[k], atol=1e-5, rtol=1e-4)
     assert sorted(p.name for p in (tmp_path / "fsdp" / "checkpoints").glob("*/optimizer-*.pt")) == \
         ["optimizer-0.pt", "optimizer-1.pt"]
+    # Muon over FSDP's sharded matrices orthogonalises the whole matrix (DTensor ops; one step on a given gradient is
+    # bitwise one process's), not each shard (that update is ~75% off, the losses a few % apart). Its Newton-Schulz
+    # runs in bf16, where a 1e-6 change in a gradient moves the weights by up to 7e-4 (mean size 0.04) within 3 steps
+    # (measured), so a sharded gradient sum's other order shows as ~2e-4 in the losses, not 1e-5 as with AdamW
+    muon = []
+    for name, launch in (("one-muon", ["--grad-accum", "2"]), ("fsdp-muon", ["--fsdp"])):
+        pre = [] if name == "one-muon" else ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                                             "29535"]
+        r = subprocess.run([sys.executable, *pre, "-m", "paradraft", "train", "-o", str(tmp_path / name), *launch,
+                            "--optimizer", "muon", *base], capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        muon.append([json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
+    assert muon[1][0] == pytest.approx(muon[0][0], rel=1e-6) and muon[1] == pytest.approx(muon[0], rel=1e-3)
+    assert muon[0] != l1  # another optimizer: another run
 
 
 def test_metrics_json_is_standard_and_plots_with_nulls(tmp_path):

@@ -362,8 +362,15 @@ class TrainConfig(Checked):
                                "(speculators' default; 4.7M fewer trained weights for SmolLM2 at an 8k draft vocab)")
     num_speculative_tokens: int | None = opt(None, help="K recorded in the checkpoint (default: the algorithm's: "
                                              "7, and at most --num-depths for P-EAGLE)", ge=1)
+    optimizer: str = opt("adamw", help="adamw: AdamW (0.9, 0.95) over every trained weight; muon: torch's Muon "
+                         "(orthogonalised momentum, its update scaled to AdamW's RMS) over the draft layers' weight "
+                         "matrices and AdamW over the rest (embeddings, lm_head, norms, P-EAGLE's mask parameters), "
+                         "speculators' default", choices=["adamw", "muon"])
     lr: float = opt(1e-3, help="peak learning rate (AdamW; 1e-3 measured best on the embedded verifier)", gt=0)
+    muon_lr: float | None = opt(None, help="--optimizer muon: peak learning rate of the Muon group (default: --lr; "
+                                "its update RMS matches AdamW's, so the same rate applies)", gt=0)
     weight_decay: float = opt(0.0, help="AdamW weight decay", ge=0)
+    muon_weight_decay: float = opt(0.1, help="--optimizer muon: decoupled weight decay of the Muon group", ge=0)
     warmup_steps: int = opt(20, help="linear warmup steps, then --lr-schedule", ge=0)
     lr_schedule: str = opt("cosine", help="after warmup: cosine decay to 10% of --lr, linear decay to 0, or "
                            "constant", choices=["cosine", "linear", "constant"])
@@ -403,6 +410,8 @@ class TrainConfig(Checked):
                               else "give --hidden-states DIR (offline) or --online")
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues the run in --output, --overwrite replaces it: give one")
+        if self.optimizer != "muon" and (self.muon_lr is not None or self.muon_weight_decay != 0.1):
+            raise ConfigError("--muon-lr and --muon-weight-decay apply to --optimizer muon only")
 
 
 @dataclasses.dataclass

@@ -1,11 +1,11 @@
 """The generic trainer: any drafter whose forward(batch, generator, **args) returns (loss, stats).
 
-AdamW, linear warmup + cosine decay (to 10%), gradient clipping and accumulation, autocast over float32 master
-weights (bf16 where it is the fast path: resolve_autocast), packed sequences with document ids, deterministic
-under --seed. Checkpoints every --save-every steps keep model, optimizer, scheduler, data position and every RNG
-state, so a resumed run ends with the same weights as one never stopped. SIGINT / SIGTERM save before exiting; a
-non-finite loss stops the run and keeps the last good checkpoint. torchrun gives DDP (gloo on CPU, NCCL on GPU);
---fsdp shards the drafter instead.
+AdamW (or Muon + AdamW: --optimizer muon), linear warmup + cosine decay (to 10%), gradient clipping and
+accumulation, autocast over float32 master weights (bf16 where it is the fast path: resolve_autocast), packed
+sequences with document ids, deterministic under --seed. Checkpoints every --save-every steps keep model,
+optimizer, scheduler, data position and every RNG state, so a resumed run ends with the same weights as one never
+stopped. SIGINT / SIGTERM save before exiting; a non-finite loss stops the run and keeps the last good checkpoint.
+torchrun gives DDP (gloo on CPU, NCCL on GPU); --fsdp shards the drafter instead.
 """
 
 from __future__ import annotations
@@ -42,6 +42,65 @@ from ..verifier import adapter_for, load_verifier, resolve_verifier
 from .data import OfflineSource, OnlineSource, TargetHead, epoch_plan
 from .distributed import full_state_dict, load_full_state_dict, shard_fsdp
 from .plot import plot_metrics
+
+# 2-D weights that stay with AdamW under --optimizer muon: token embeddings and the output head are lookup tables /
+# classifiers, not layer maps, and orthogonalising their updates is not what Muon is for (Keller Jordan's practice)
+_ADAMW_ONLY = ("embed_tokens", "lm_head")
+
+
+class MuonAdamW:
+    """--optimizer muon: torch's Muon over the draft layers' weight matrices (2-D, both sides > 1, not embeddings or
+    lm_head) and AdamW (0.9, 0.95) over every other trained parameter. One optimizer to the trainer: param_groups
+    spans both (each group's "lr_scale" is its peak rate over --lr), and the state dict holds both."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig):
+        matrices, rest = [], []
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            if p.ndim == 2 and min(p.shape) > 1 and not any(h in name for h in _ADAMW_ONLY):
+                matrices.append(p)
+            else:
+                rest.append(p)
+        muon_lr = cfg.muon_lr if cfg.muon_lr is not None else cfg.lr
+        # match_rms_adamw: the orthogonalised update is scaled to AdamW's typical RMS (0.2 sqrt(max(A, B))), so
+        # the Muon group's rate is on AdamW's scale
+        self.muon = torch.optim.Muon(matrices, lr=muon_lr, weight_decay=cfg.muon_weight_decay,
+                                     adjust_lr_fn="match_rms_adamw") if matrices else None
+        self.adamw = torch.optim.AdamW(rest, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                       betas=(0.9, 0.95)) if rest else None
+        for g in self.muon.param_groups if self.muon else []:
+            g["lr_scale"] = muon_lr / cfg.lr
+        self.parts = {k: o for k, o in (("muon", self.muon), ("adamw", self.adamw)) if o is not None}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.parts.values() for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.parts.values():
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.parts.values():
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {k: o.state_dict() for k, o in self.parts.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != set(self.parts):
+            raise KeyError(f"optimizer state holds {sorted(state)}, this run's optimizer {sorted(self.parts)}")
+        for k, o in self.parts.items():
+            o.load_state_dict(state[k])
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
+    """The optimizer --optimizer names, over the model's trained parameters (one rule for training and tests)."""
+    if cfg.optimizer == "muon":
+        return MuonAdamW(model, cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
 
 class TrainingError(UserError, RuntimeError):
@@ -99,11 +158,16 @@ def checkpoints_in(out: Path) -> list[Path]:
     return sorted((out / "checkpoints").glob("step-*")) if (out / "checkpoints").is_dir() else []
 
 
+def _field_defaults(cls) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
 def resume_problems(state: dict, cfg: TrainConfig, data_identity: str) -> list[str]:
     """Why a checkpoint's run cannot be continued with `cfg` (empty: it can). Only the flags in
     RESUME_MAY_CHANGE may differ; the data must be the same dataset."""
-    saved = dict(state.get("config") or {})
     want = config_to_dict(cfg)
+    # a flag added after the checkpoint was written ran there as its default (new flags keep the old behaviour)
+    saved = {**_field_defaults(TrainConfig), **(state.get("config") or {})}
     problems = [f"--{k.replace('_', '-')} {want.get(k)!r} (the checkpoint has {saved.get(k)!r})"
                 for k in sorted(set(saved) | set(want)) if k not in RESUME_MAY_CHANGE and saved.get(k) != want.get(k)
                 and k in want and not (k == "autocast" and want[k] == "auto")]  # auto continues the run's dtype
@@ -266,8 +330,7 @@ class Trainer:
         self.train_args = self.algo.train_args(cfg)
         self.num_depths = self.algo.scored_depths(cfg)
         self.wrapped = self._wrap(self.model)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.opt = build_optimizer(self.model, cfg)
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.step, self.epoch, self.pack_pos = 0, 0, 0
         self.trained_tokens = 0  # depth-0 targets trained so far, every process (the data-scaling axis)
@@ -408,7 +471,7 @@ class Trainer:
         -> (mean loss, summed per-depth stats, slots trained, gradient norm before clipping)."""
         cfg = self.cfg
         for g in self.opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)  # lr: --lr on the schedule; Muon's group may run at its own peak
         loss_sum, stats_acc, n_tok = 0.0, None, 0
         for micro, pack in enumerate(packs):
             # COD draws depend only on (seed, epoch, global pack index): the same elements whichever process
