@@ -55,9 +55,22 @@ SETTINGS = {
     "frozen lm_head": {"freeze_lm_head": True},
     # ... and trains the whole embedding matrix instead (its P-EAGLE trainable set)
     "frozen lm_head, trainable embeddings": {"freeze_lm_head": True, "train_embeddings": True},
+    # speculators' optimiser: Muon over the layer matrices (its lr on AdamW's scale), AdamW over the rest
+    "muon": {"optimizer": "muon"},
+    "muon, 3x lr on the matrices": {"optimizer": "muon", "muon_lr": 3e-3},
+    # every speculators P-EAGLE default paradraft can serve (not its Qwen3-style layer): Muon at 1e-3 with AdamW at
+    # 1e-4 (its --lr) and weight decay, linear decay, norm before residual, N(0, 1) mask_hidden, frozen lm_head and
+    # trainable embeddings, its element-mean weighting (~0.7^d)
+    "speculators' defaults, all": {"optimizer": "muon", "muon_lr": 1e-3, "lr": 1e-4, "weight_decay": 0.01,
+                                   "lr_schedule": "linear", "norm_before_residual": True, "mask_hidden_init": "unit",
+                                   "freeze_lm_head": True, "train_embeddings": True, "loss_decay": 0.7},
     "hidden noise 0.1": {"hidden_noise": 0.1},
     "hidden noise 0.3": {"hidden_noise": 0.3},
     "2x steps": {"__steps_factor": 2},
+    # the same base with another seed (init, data order, COD sampling): the noise floor every row above sits on
+    "seed 1": {"seed": 1},
+    "seed 2": {"seed": 2},
+    "muon, seed 1": {"optimizer": "muon", "seed": 1},
     # speculators' P-EAGLE trainer defaults that paradraft can serve in vLLM (its Qwen3-style draft layer for a
     # Llama verifier is not one vLLM's Llama EAGLE-3 model loads)
     "speculators defaults (norm before residual, linear lr)": {"norm_before_residual": True,
