@@ -61,6 +61,24 @@ def test_export_writes_vllm_checkpoint_and_command(tmp_path, capsys, algorithm):
     assert '"num_speculative_tokens": 7' in cmd
 
 
+def test_export_refuses_a_draft_layer_of_another_family(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from paradraft.models.checkpoint import CheckpointError
+
+    vdir = save_tiny_verifier(tmp_path)
+    verifier = AutoModelForCausalLM.from_pretrained(vdir)
+    cfg = DraftConfig.from_verifier(verifier.config, algorithm="eagle3", draft_vocab_size=200, flavour="qwen3",
+                                    verifier=str(vdir))
+    d = build_drafter(cfg)  # `train --draft-layer qwen3` for a Llama verifier
+    d2t, t2d = build_vocab(torch.arange(verifier.config.vocab_size).numpy() + 1, 200, verifier.config.vocab_size)
+    d.init_from_verifier(verifier, d2t, t2d)
+    save_drafter(d, tmp_path / "q")
+    with pytest.raises(CheckpointError, match="qwen3-style.*llama-style"):
+        export(ExportConfig(drafter=str(tmp_path / "q"), output=str(tmp_path / "exp"), dtype="float32"))
+    assert not (tmp_path / "exp").exists()
+
+
 def test_import_speculators_checkpoint_without_paradraft_keys(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -237,6 +237,21 @@ def test_freeze_lm_head_keeps_the_verifier_rows(world, algorithm):
     assert not torch.equal(heads[True][2], heads[False][2])  # and the rest trains either way (differently)
 
 
+def test_draft_layer_style_is_a_choice_and_reaches_the_checkpoint(world):
+    from paradraft.models.checkpoint import load_drafter
+
+    tok, model, tmp = world
+    out = {}
+    for style in ("auto", "qwen3"):
+        train(cfg(tmp, f"layer-{style}", max_steps=3, draft_layer=style), verifier=model, tokenizer=tok)
+        sd = load_file(str(tmp / f"layer-{style}" / "model.safetensors"))
+        norms = sorted(k for k in sd if k.endswith(("q_norm.weight", "k_norm.weight")))
+        out[style] = (norms, load_drafter(tmp / f"layer-{style}", verifier=model).cfg.flavour, sd["fc.weight"])
+    assert out["auto"][:2] == ([], "llama")  # the tiny Llama verifier's own family
+    assert len(out["qwen3"][0]) == 2 and out["qwen3"][1] == "qwen3"  # q/k RMSNorm per head, loaded back as qwen3
+    assert not torch.equal(out["auto"][2], out["qwen3"][2])  # the norms change what the layer learns
+
+
 def test_muon_trains_the_layer_matrices_and_adamw_the_rest(world):
     tok, model, tmp = world
     t = Trainer(cfg(tmp, "muon-groups", optimizer="muon", muon_lr=6e-3, train_embeddings=True), verifier=model,

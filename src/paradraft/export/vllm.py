@@ -12,7 +12,7 @@ from ..config import ExportConfig
 from ..models.checkpoint import CheckpointError, legacy_drafter, load_drafter, save_drafter
 from ..models.registry import drafter_class
 from ..outputs import claim_dir
-from ..verifier import load_verifier, resolve_verifier
+from ..verifier import flavour_of, load_verifier, resolve_verifier
 
 
 def speculative_config(drafter_dir: str, algorithm: str, k: int) -> dict:
@@ -38,6 +38,12 @@ def export(cfg: ExportConfig) -> Path:
     if not verifier_name:
         raise CheckpointError(f"{cfg.drafter} records no verifier; pass --verifier")
     model, _ = load_verifier(verifier_name, dtype=torch.float32)
+    family = flavour_of(model.config)
+    if probe.cfg.flavour != family:  # e.g. `train --draft-layer qwen3` for a Llama verifier
+        raise CheckpointError(f"{cfg.drafter}: its draft layer is {probe.cfg.flavour}-style but this verifier's "
+                              f"family drafts with {family}-style layers; export writes only drafters whose layer "
+                              f"follows the verifier's (the shape `make test-vllm` proves vLLM serves token for "
+                              f"token); paradraft's own engine runs this one")
     drafter = load_drafter(cfg.drafter, verifier=model, verifier_name=verifier_name, force=cfg.force)
     drafter.cfg.verifier = resolve_verifier(verifier_name)  # a path or id vLLM can open
     drafter.cfg.verifier_architectures = list(model.config.architectures or [])

@@ -309,6 +309,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         dcfg = DraftConfig.from_verifier(
             verifier.config, algorithm=cfg.algorithm, num_layers=cfg.num_layers, draft_vocab_size=len(d2t),
+            flavour=None if cfg.draft_layer == "auto" else cfg.draft_layer,  # None: the verifier's family
             norm_before_residual=cfg.norm_before_residual,
             num_speculative_tokens=cfg.num_speculative_tokens, aux_layer_ids=list(self.source.layer_ids),
             verifier=resolve_verifier(self.verifier_name), **own)
