@@ -64,10 +64,12 @@ def main() -> None:
     ap.add_argument("--output", default="benchmarks/results/data_scaling.json")
     ap.add_argument("--plot", default="docs/data-scaling.png")
     ap.add_argument("--table-only", action="store_true", help="print the table and plot from --output, run nothing")
+    ap.add_argument("--also", nargs="+", default=[], metavar="JSON",
+                    help="with --table-only: the rows of other runs' --output files, drawn as their own dashed lines")
     a = ap.parse_args()
     if a.table_only:
         rows = json.loads(Path(a.output).read_text())["rows"]
-        plot(rows, a.plot)
+        plot(rows, a.plot, {Path(f).stem: json.loads(Path(f).read_text())["rows"] for f in a.also})
         print(table(rows))
         return
     work = Path(a.work)
@@ -148,7 +150,9 @@ def write(path: Path, a, rows: list) -> None:
                                 "samples": a.samples, "rows": rows}, indent=2) + "\n")
 
 
-def plot(rows: list, path: str) -> None:
+def plot(rows: list, path: str, also: dict[str, list] | None = None) -> None:
+    """Measured and estimated acceptance against trained tokens, a line per drafter shape; `also` {run name: rows}
+    adds other runs (another draw of conversations and held-out split) as dashed lines labelled with the run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,17 +160,22 @@ def plot(rows: list, path: str) -> None:
     from matplotlib.ticker import FuncFormatter
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in CONFIGS:
-        rs = sorted((r for r in rows if r["config"] == name), key=lambda r: r["trained_tokens"])
-        if not rs:
-            continue
-        x = [r["trained_tokens"] for r in rs]
-        a1.plot(x, [r["measured_k7"]["acceptance_length"] for r in rs], marker="o", label=name)
-        a2.plot(x, [r["val_acceptance_length_k7"] for r in rs], marker="o", label=name)
+    runs = [("", rows, "-")] + [(f" ({run})", rs, "--") for run, rs in (also or {}).items()]
+    for suffix, run_rows, style in runs:
+        for name in CONFIGS:
+            rs = sorted((r for r in run_rows if r["config"] == name), key=lambda r: r["trained_tokens"])
+            if not rs:
+                continue
+            x = [r["trained_tokens"] for r in rs]
+            a1.plot(x, [r["measured_k7"]["acceptance_length"] for r in rs], style, marker="o", label=name + suffix)
+            a2.plot(x, [r["val_acceptance_length_k7"] for r in rs], style, marker="o", label=name + suffix)
+    top = max(r["trained_tokens"] for r in rows)
+    ticks = {r["trained_tokens"] for r in rows}  # the milestones (the same data order); other runs' beyond them
+    ticks |= {r["trained_tokens"] for _, rs, _ in runs[1:] for r in rs if r["trained_tokens"] > 1.3 * top}
     for ax, title in ((a1, "measured acceptance length (K=7, held-out prompts)"),
                       (a2, "held-out acceptance-length estimate (K=7)")):
         ax.set_xscale("log")
-        ax.set_xticks(sorted({r["trained_tokens"] for r in rows}))  # the milestones (the same data order)
+        ax.set_xticks(sorted(ticks))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:.0f}k"))
         ax.xaxis.set_minor_formatter(FuncFormatter(lambda x, _: ""))
         ax.set_xlabel("trained tokens (one pass, original ShareGPT answers)")
