@@ -65,7 +65,7 @@ SETTINGS = {
                                    "lr_schedule": "linear", "norm_before_residual": True, "mask_hidden_init": "unit",
                                    "freeze_lm_head": True, "train_embeddings": True, "loss_decay": 0.7},
     # speculators' P-EAGLE draft layer: Qwen3-style, q/k RMSNorm per head (paradraft's engine runs it for a Llama
-    # verifier; `export` refuses it there)
+    # verifier; `export` writes q/k-norm layers only for Qwen3-family verifiers)
     "qwen3-style draft layer": {"draft_layer": "qwen3"},
     "qwen3-style draft layer, seed 1": {"draft_layer": "qwen3", "seed": 1},
     "hidden noise 0.1": {"hidden_noise": 0.1},

@@ -61,22 +61,29 @@ def test_export_writes_vllm_checkpoint_and_command(tmp_path, capsys, algorithm):
     assert '"num_speculative_tokens": 7' in cmd
 
 
-def test_export_refuses_a_draft_layer_of_another_family(tmp_path):
+def test_export_refuses_qk_norm_layers_for_a_llama_verifier_and_takes_llama_layers_for_qwen3(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from paradraft.models.checkpoint import CheckpointError
 
-    vdir = save_tiny_verifier(tmp_path)
-    verifier = AutoModelForCausalLM.from_pretrained(vdir)
-    cfg = DraftConfig.from_verifier(verifier.config, algorithm="eagle3", draft_vocab_size=200, flavour="qwen3",
-                                    verifier=str(vdir))
-    d = build_drafter(cfg)  # `train --draft-layer qwen3` for a Llama verifier
-    d2t, t2d = build_vocab(torch.arange(verifier.config.vocab_size).numpy() + 1, 200, verifier.config.vocab_size)
-    d.init_from_verifier(verifier, d2t, t2d)
-    save_drafter(d, tmp_path / "q")
+    def saved(qwen3_verifier: bool, flavour: str):
+        vdir = save_tiny_verifier(tmp_path / f"v-{qwen3_verifier}", qwen3=qwen3_verifier)
+        verifier = AutoModelForCausalLM.from_pretrained(vdir)
+        cfg = DraftConfig.from_verifier(verifier.config, algorithm="eagle3", draft_vocab_size=200, flavour=flavour,
+                                        verifier=str(vdir))
+        d = build_drafter(cfg)
+        V = verifier.config.vocab_size
+        d.init_from_verifier(verifier, *build_vocab(torch.arange(V).numpy() + 1, 200, V))
+        return save_drafter(d, tmp_path / f"d-{qwen3_verifier}-{flavour}")
+
+    q_for_llama = saved(False, "qwen3")  # `train --draft-layer qwen3` for a Llama verifier
     with pytest.raises(CheckpointError, match="qwen3-style.*llama-style"):
-        export(ExportConfig(drafter=str(tmp_path / "q"), output=str(tmp_path / "exp"), dtype="float32"))
+        export(ExportConfig(drafter=str(q_for_llama), output=str(tmp_path / "exp"), dtype="float32"))
     assert not (tmp_path / "exp").exists()
+    llama_for_qwen3 = saved(True, "llama")  # as published EAGLE-3 drafters for Qwen3 verifiers are
+    out = export(ExportConfig(drafter=str(llama_for_qwen3), output=str(tmp_path / "exp2"), dtype="float32"))
+    layer = json.loads((out / "config.json").read_text())["transformer_layer_config"]
+    assert layer["model_type"] == "llama"
 
 
 def test_import_speculators_checkpoint_without_paradraft_keys(tmp_path):

@@ -39,11 +39,13 @@ def export(cfg: ExportConfig) -> Path:
         raise CheckpointError(f"{cfg.drafter} records no verifier; pass --verifier")
     model, _ = load_verifier(verifier_name, dtype=torch.float32)
     family = flavour_of(model.config)
-    if probe.cfg.flavour != family:  # e.g. `train --draft-layer qwen3` for a Llama verifier
-        raise CheckpointError(f"{cfg.drafter}: its draft layer is {probe.cfg.flavour}-style but this verifier's "
-                              f"family drafts with {family}-style layers; export writes only drafters whose layer "
-                              f"follows the verifier's (the shape `make test-vllm` proves vLLM serves token for "
-                              f"token); paradraft's own engine runs this one")
+    # q/k-norm draft layers (`train --draft-layer qwen3`) only for Qwen3-family verifiers, the shape `make test-vllm`
+    # proves; Llama-style layers go to any verifier (published EAGLE-3 drafters for Qwen3 verifiers are Llama-style)
+    if probe.cfg.flavour == "qwen3" and family != "qwen3":
+        raise CheckpointError(f"{cfg.drafter}: its draft layer is qwen3-style (q/k norms) but this verifier's "
+                              f"family drafts with {family}-style layers; export writes q/k-norm draft layers "
+                              f"only for Qwen3-family verifiers, the shape `make test-vllm` proves in vLLM; "
+                              f"paradraft's own engine runs this one")
     drafter = load_drafter(cfg.drafter, verifier=model, verifier_name=verifier_name, force=cfg.force)
     drafter.cfg.verifier = resolve_verifier(verifier_name)  # a path or id vLLM can open
     drafter.cfg.verifier_architectures = list(model.config.architectures or [])
