@@ -50,6 +50,18 @@ def cfg(tmp, out, **kw):
     return TrainConfig(**base)
 
 
+def signal_after_second_step(t: Trainer) -> Trainer:
+    """SIGTERM the process right after the trainer's 2nd optimizer step (as a scheduler stopping the job would)."""
+    real_step = t.opt.step
+
+    def step_then_signal(*a, **k):
+        real_step(*a, **k)
+        if t.step == 1:  # t.step is incremented after opt.step: this is the 2nd step
+            os.kill(os.getpid(), signal.SIGTERM)
+    t.opt.step = step_then_signal
+    return t
+
+
 LEVERS = dict(hidden_noise=0.2, lr_schedule="linear", norm_before_residual=True, num_layers=2, loss_decay=1.25)
 
 
@@ -61,14 +73,8 @@ def test_resume_after_signal_ends_with_identical_weights(world, algorithm):
     algo = algorithm.split("-")[0]
     train(cfg(tmp, f"full-{algorithm}", algorithm=algo, **kw), verifier=model, tokenizer=tok)
     # the same run, stopped by SIGTERM after step 2, then resumed
-    t = Trainer(cfg(tmp, f"cut-{algorithm}", algorithm=algo, **kw), verifier=model, tokenizer=tok)
-    real_step = t.opt.step
-
-    def step_then_signal(*a, **k):
-        real_step(*a, **k)
-        if t.step == 1:  # t.step is incremented after opt.step: this is the 2nd step
-            os.kill(os.getpid(), signal.SIGTERM)
-    t.opt.step = step_then_signal
+    t = signal_after_second_step(Trainer(cfg(tmp, f"cut-{algorithm}", algorithm=algo, **kw), verifier=model,
+                                         tokenizer=tok))
     with pytest.raises(KeyboardInterrupt, match="checkpoint saved at step 2"):
         t.train()
     assert (tmp / f"cut-{algorithm}" / "checkpoints" / "step-0000002").is_dir()
@@ -92,14 +98,7 @@ def test_autocast_auto_follows_the_hardware_and_a_resumed_run_keeps_its_dtype(wo
     # a run begun in bf16 (an AMX machine) and resumed with auto where bf16 is slow goes on in bf16: same numerics
     with pytest.raises(KeyboardInterrupt):
         t = Trainer(cfg(tmp, "amx", autocast="bfloat16", max_steps=4, save_every=2), verifier=model, tokenizer=tok)
-        real_step = t.opt.step
-
-        def step_then_signal(*a, **k):
-            real_step(*a, **k)
-            if t.step == 1:
-                os.kill(os.getpid(), signal.SIGTERM)
-        t.opt.step = step_then_signal
-        t.train()
+        signal_after_second_step(t).train()
     assert json.loads((tmp / "amx" / "checkpoints" / "step-0000002" / "state.json").read_text())["autocast"] \
         == "bfloat16"
     final = train(cfg(tmp, "amx", autocast="auto", max_steps=4, save_every=2, resume=True), verifier=model,
@@ -283,14 +282,7 @@ def test_a_checkpoint_from_before_a_flag_existed_resumes_with_its_default(world)
     tok, model, tmp = world
     with pytest.raises(KeyboardInterrupt):
         t = Trainer(cfg(tmp, "old", max_steps=4, save_every=2), verifier=model, tokenizer=tok)
-        real_step = t.opt.step
-
-        def step_then_signal(*a, **k):
-            real_step(*a, **k)
-            if t.step == 1:
-                os.kill(os.getpid(), signal.SIGTERM)
-        t.opt.step = step_then_signal
-        t.train()
+        signal_after_second_step(t).train()
     state = tmp / "old" / "checkpoints" / "step-0000002" / "state.json"
     st = json.loads(state.read_text())
     for k in ("optimizer", "muon_lr", "muon_weight_decay", "freeze_lm_head"):  # written before these flags
