@@ -276,6 +276,8 @@ def test_muon_trains_the_layer_matrices_and_adamw_the_rest(world):
         train(cfg(tmp, "muon-groups", optimizer="adamw", resume=True, max_steps=9), verifier=model, tokenizer=tok)
     with pytest.raises(ConfigError, match="--muon-lr and --muon-weight-decay apply to --optimizer muon"):
         cfg(tmp, "x", muon_lr=1e-3)
+    with pytest.raises(ConfigError, match="--muon-lr and --muon-weight-decay apply to --optimizer muon"):
+        cfg(tmp, "x", muon_weight_decay=0.05)
 
 
 def test_a_checkpoint_from_before_a_flag_existed_resumes_with_its_default(world):

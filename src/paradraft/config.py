@@ -189,6 +189,11 @@ def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
     return build_config(cls, getattr(args, "_config_file", None), values)
 
 
+def field_defaults(cls) -> dict:
+    """{field: default} of a config dataclass (fields without a plain default left out)."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
 def config_to_dict(cfg) -> dict:
     """Plain dict of a config dataclass (for manifests and saved configs)."""
     return dataclasses.asdict(cfg)
@@ -414,7 +419,8 @@ class TrainConfig(Checked):
                               else "give --hidden-states DIR (offline) or --online")
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues the run in --output, --overwrite replaces it: give one")
-        if self.optimizer != "muon" and (self.muon_lr is not None or self.muon_weight_decay != 0.1):
+        muon_decay_default = field_defaults(TrainConfig)["muon_weight_decay"]
+        if self.optimizer != "muon" and (self.muon_lr is not None or self.muon_weight_decay != muon_decay_default):
             raise ConfigError("--muon-lr and --muon-weight-decay apply to --optimizer muon only")
 
 

@@ -28,7 +28,7 @@ import yaml
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from ..config import RESUME_MAY_CHANGE, TrainConfig, config_to_dict
+from ..config import RESUME_MAY_CHANGE, TrainConfig, config_to_dict, field_defaults
 from ..data.prepare import PreparedDataset
 from ..data.vocab import draft_to_target_ids, draft_vocabulary, load_vocab
 from ..errors import Paused, UserError
@@ -158,16 +158,12 @@ def checkpoints_in(out: Path) -> list[Path]:
     return sorted((out / "checkpoints").glob("step-*")) if (out / "checkpoints").is_dir() else []
 
 
-def _field_defaults(cls) -> dict:
-    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-
-
 def resume_problems(state: dict, cfg: TrainConfig, data_identity: str) -> list[str]:
     """Why a checkpoint's run cannot be continued with `cfg` (empty: it can). Only the flags in
     RESUME_MAY_CHANGE may differ; the data must be the same dataset."""
     want = config_to_dict(cfg)
     # a flag added after the checkpoint was written ran there as its default (new flags keep the old behaviour)
-    saved = {**_field_defaults(TrainConfig), **(state.get("config") or {})}
+    saved = {**field_defaults(TrainConfig), **(state.get("config") or {})}
     problems = [f"--{k.replace('_', '-')} {want.get(k)!r} (the checkpoint has {saved.get(k)!r})"
                 for k in sorted(set(saved) | set(want)) if k not in RESUME_MAY_CHANGE and saved.get(k) != want.get(k)
                 and k in want and not (k == "autocast" and want[k] == "auto")]  # auto continues the run's dtype
