@@ -171,7 +171,9 @@ def plot(rows: list, path: str, also: dict[str, list] | None = None) -> None:
             a2.plot(x, [r["val_acceptance_length_k7"] for r in rs], style, marker="o", label=name + suffix)
     top = max(r["trained_tokens"] for r in rows)
     ticks = {r["trained_tokens"] for r in rows}  # the milestones (the same data order); other runs' beyond them
-    ticks |= {r["trained_tokens"] for _, rs, _ in runs[1:] for r in rs if r["trained_tokens"] > 1.3 * top}
+    for t in sorted(r["trained_tokens"] for _, rs, _ in runs[1:] for r in rs if r["trained_tokens"] > 1.3 * top):
+        if all(abs(t / u - 1) > 0.3 for u in ticks):  # one label where two runs' milestones nearly coincide
+            ticks.add(t)
     for ax, title in ((a1, "measured acceptance length (K=7, held-out prompts)"),
                       (a2, "held-out acceptance-length estimate (K=7)")):
         ax.set_xscale("log")
