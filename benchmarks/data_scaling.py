@@ -7,7 +7,7 @@ it records the held-out acceptance-length estimate and per-depth accuracy (valid
 acceptance length `paradraft bench` measures on held-out prompts (greedy, float32, K=7), with the training time.
 
   python benchmarks/data_scaling.py [--work runs/scaling] [--samples 700] [--milestones 4] [--base-step 16]
-        [--configs peagle-1 peagle-2 peagle-4 eagle3] [--output benchmarks/results/data_scaling.json]
+        [--configs peagle-1 peagle-2 peagle-4 eagle3] [--loss-decay D] [--output benchmarks/results/data_scaling.json]
         [--plot docs/data-scaling.png]
 
 It prints the markdown table of BENCHMARKS.md at the end (also: `--table-only`, from --output, running nothing).
@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
 from safetensors.torch import load_file
 
 from paradraft.bench.run import bench
@@ -59,6 +60,8 @@ def main() -> None:
     ap.add_argument("--base-step", type=int, default=16, help="first milestone (steps); then x2 each")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--val-samples", type=int, default=10_000, help="held-out conversations validated")
+    ap.add_argument("--loss-decay", type=float, default=None,
+                    help="train --loss-decay (default: the algorithm's; rows before 2026-12-02 used 1 for P-EAGLE)")
     ap.add_argument("--bench-prompts", type=int, default=6)
     ap.add_argument("--bench-tokens", type=int, default=96)
     ap.add_argument("--output", default="benchmarks/results/data_scaling.json")
@@ -93,20 +96,22 @@ def main() -> None:
                 continue
             cfg = TrainConfig(algorithm=algo, num_layers=layers, data=str(data), online=True, output=str(run),
                               max_steps=s, batch_tokens=2048, lr=1e-3, warmup_steps=min(10, steps[0]),
-                              lr_schedule="constant", num_depths=8, save_every=10 ** 9, keep_checkpoints=10 ** 6,
+                              lr_schedule="constant", num_depths=8, loss_decay=a.loss_decay,
+                              save_every=10 ** 9, keep_checkpoints=10 ** 6,
                               val_every=0, val_samples=a.val_samples, resume=(run / "checkpoints").is_dir())
             vals[s] = train(cfg)["val"]
             (run / "milestones.json").write_text(json.dumps({str(k): v for k, v in vals.items()}))
         secs = time.time() - t0
         metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         by_step = {m["step"]: m for m in metrics}
+        decay = yaml.safe_load((run / "train_config.yaml").read_text())["loss_decay"]  # as the run resolved it
         for s in steps:
             m = by_step[s]
             v = vals[s]
             drafter = drafter_at(run, s, work / f"{name}-step{s}")
             meas = measure(drafter, data, a.bench_prompts, a.bench_tokens)
             rows.append({"config": name, "algorithm": algo, "layers": layers, "step": s,
-                         "trained_tokens": m["trained_tokens"],
+                         "trained_tokens": m["trained_tokens"], "loss_decay": decay,
                          "train_seconds": sum(x["step_s"] for x in metrics if x["step"] <= s),
                          "run_seconds_total": secs, "val_acceptance_length_k7": v["acceptance_length_estimate"],
                          "val_acc": v["acc"], "val_conditional_acc": v["conditional_acc"],

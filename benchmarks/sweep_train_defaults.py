@@ -30,7 +30,7 @@ BASES = {
                    init_norm="verifier", num_layers=1, loss_decay=1.0),
     # `make demo`'s train step (paradraft.quickstart), every held-out sample scored
     "quickstart": dict(algorithm="peagle", batch_tokens=2048, lr=1e-3, warmup_steps=10, num_depths=7,
-                       val_samples=10_000, draft_vocab_size=8192),
+                       val_samples=10_000, draft_vocab_size=8192, loss_decay=1.0),
 }
 
 SETTINGS = {

@@ -262,14 +262,21 @@ class DraftModel(nn.Module):
     algorithm: str = ""  # registry name; config.json `speculators_model_type`
     architecture: str = ""  # config.json `architectures` entry vLLM dispatches on
     default_norm_before_residual: bool = False  # what a speculators config.json without the key means
+    default_loss_decay: float = 1.0  # --loss-decay when not given: depth / step d weighted decay^d
+    # what --loss-decay meant in a run whose saved config leaves it unset (None): runs saved before the default was
+    # written into the config; they continue, and are recognised as finished, as they were trained
+    unset_loss_decay: float = 1.0
+    has_mask_hidden: bool = False  # --mask-hidden-init applies
 
     # ---- training
     @classmethod
     def resolve_train_config(cls, cfg) -> None:
-        """Fill this algorithm's defaults into a TrainConfig (K when not given) and refuse what it cannot train."""
+        """Fill this algorithm's defaults into a TrainConfig (K, --loss-decay) and refuse what it cannot train."""
         if cfg.num_speculative_tokens is None:
             cfg.num_speculative_tokens = 7
-        if cfg.mask_hidden_init != "normal":
+        if cfg.loss_decay is None:
+            cfg.loss_decay = cls.default_loss_decay
+        if cfg.mask_hidden_init != "normal" and not cls.has_mask_hidden:
             raise ConfigError(f"--mask-hidden-init {cfg.mask_hidden_init} applies to P-EAGLE only (--algorithm "
                               f"peagle; this run: {cfg.algorithm})")
 

@@ -22,11 +22,12 @@ class Eagle3Drafter(DraftModel):
     algorithm = "eagle3"
     architecture = "Eagle3Speculator"
     default_norm_before_residual = True
+    default_loss_decay = unset_loss_decay = 0.8  # TTT step s weighted 0.8^s
 
     # ---- the drafter protocol (common.py)
     @classmethod
     def train_args(cls, cfg) -> dict:
-        return {"ttt_steps": cfg.ttt_steps, "loss_decay": 0.8 if cfg.loss_decay is None else cfg.loss_decay}
+        return {"ttt_steps": cfg.ttt_steps, "loss_decay": cfg.loss_decay}
 
     @classmethod
     def scored_depths(cls, cfg) -> int:

@@ -85,6 +85,12 @@ class PEagleDrafter(DraftModel):
 
     algorithm = "peagle"
     architecture = "PEagleSpeculator"
+    # depth d weighted 0.7^d (about the share of elements COD keeps at depth d): ahead of equal weights from 351k
+    # trained tokens on, two seeds each at 351k and 710k (BENCHMARKS.md, "Depth decay 0.7"); runs saved before it
+    # became the default trained with equal weights
+    default_loss_decay = 0.7
+    unset_loss_decay = 1.0
+    has_mask_hidden = True
 
     # ---- the drafter protocol (common.py)
     @classmethod
@@ -94,11 +100,12 @@ class PEagleDrafter(DraftModel):
         elif cfg.num_speculative_tokens > cfg.num_depths:
             raise ConfigError(f"--num-speculative-tokens {cfg.num_speculative_tokens} > --num-depths "
                               f"{cfg.num_depths}: a P-EAGLE drafter drafts only the depths it was trained on")
+        super().resolve_train_config(cfg)
 
     @classmethod
     def train_args(cls, cfg) -> dict:
         return {"num_depths": cfg.num_depths, "cod_ratio": cfg.cod_ratio, "cod_ratio_min": cfg.cod_ratio_min,
-                "loss_decay": 1.0 if cfg.loss_decay is None else cfg.loss_decay}
+                "loss_decay": cfg.loss_decay}
 
     @classmethod
     def scored_depths(cls, cfg) -> int:

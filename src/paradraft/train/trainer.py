@@ -164,6 +164,8 @@ def resume_problems(state: dict, cfg: TrainConfig, data_identity: str) -> list[s
     want = config_to_dict(cfg)
     # a flag added after the checkpoint was written ran there as its default (new flags keep the old behaviour)
     saved = {**field_defaults(TrainConfig), **(state.get("config") or {})}
+    if saved.get("loss_decay") is None and saved.get("algorithm"):  # saved before the default was resolved into it
+        saved["loss_decay"] = drafter_class(saved["algorithm"]).unset_loss_decay
     problems = [f"--{k.replace('_', '-')} {want.get(k)!r} (the checkpoint has {saved.get(k)!r})"
                 for k in sorted(set(saved) | set(want)) if k not in RESUME_MAY_CHANGE and saved.get(k) != want.get(k)
                 and k in want and not (k == "autocast" and want[k] == "auto")]  # auto continues the run's dtype
@@ -699,8 +701,13 @@ def finished_run(cfg: TrainConfig) -> dict | None:
         prov = read_json(out / "provenance.json")
     except (OSError, ValueError):
         return None
-    drafter_class(cfg.algorithm).resolve_train_config(cfg)
-    if prov.get("train_identity") != train_identity(cfg, dataset_identity(PreparedDataset(cfg.data).manifest)):
+    algo = drafter_class(cfg.algorithm)
+    algo.resolve_train_config(cfg)
+    data = dataset_identity(PreparedDataset(cfg.data).manifest)
+    same = [train_identity(cfg, data)]
+    if cfg.loss_decay == algo.unset_loss_decay:  # also a run saved before --loss-decay's default was resolved
+        same.append(train_identity(dataclasses.replace(cfg, loss_decay=None), data))
+    if prov.get("train_identity") not in same:
         return None
     return prov.get("final") or {}
 
