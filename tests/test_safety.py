@@ -471,12 +471,12 @@ def test_a_real_bug_keeps_its_traceback(monkeypatch):
 def test_a_run_saved_before_loss_decay_had_a_resolved_default_continues_as_trained(world, tmp_path, capsys):
     """Runs written before --loss-decay's default was resolved into the saved config leave it unset: for P-EAGLE
     that meant equal depth weights (1.0). They resume and are reused with --loss-decay 1, never silently with the
-    new default (0.5), which a new run records explicitly."""
+    new default (0.3), which a new run records explicitly."""
     from paradraft.config import TrainConfig
     from paradraft.train.trainer import train_identity
 
     tmp, _ = world
-    assert yaml.safe_load((tmp / "run" / "train_config.yaml").read_text())["loss_decay"] == 0.5  # the default
+    assert yaml.safe_load((tmp / "run" / "train_config.yaml").read_text())["loss_decay"] == 0.3  # the default
     run = tmp_path / "run"
     assert run_cli(capsys, *train_args(tmp, run, "--loss-decay", "1"))[0] == 0
     # make it look like a run of the earlier code: loss_decay unset in its checkpoints and in its identity
@@ -491,6 +491,6 @@ def test_a_run_saved_before_loss_decay_had_a_resolved_default_continues_as_train
     rc, out, _ = run_cli(capsys, *train_args(tmp, run, "--loss-decay", "1"))  # finished with these flags: reused
     assert rc == 0 and "reusing it" in out
     rc, _, err = run_cli(capsys, *train_args(tmp, run, "--resume", "--max-steps", "3"))  # the new default: refused
-    assert rc == 1 and "--loss-decay 0.5 (the checkpoint has 1.0)" in err
+    assert rc == 1 and "--loss-decay 0.3 (the checkpoint has 1.0)" in err
     assert run_cli(capsys, *train_args(tmp, run, "--resume", "--max-steps", "3", "--loss-decay", "1"))[0] == 0
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()][-1] == 3

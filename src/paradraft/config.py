@@ -357,7 +357,7 @@ class TrainConfig(Checked):
     cod_ratio_min: float = opt(0.2, help="P-EAGLE COD floor", gt=0, le=1)
     ttt_steps: int = opt(3, help="EAGLE-3 training-time-test unroll steps", ge=1)
     loss_decay: float | None = opt(None, help="depth d (P-EAGLE) / TTT step d (EAGLE-3) weighted decay^d in the "
-                                   "loss (default: 0.5 P-EAGLE, 0.8 EAGLE-3; 1 weights every depth equally)",
+                                   "loss (default: 0.3 P-EAGLE, 0.8 EAGLE-3; 1 weights every depth equally)",
                                    gt=0)
     init_norm: str = opt("ones", help="drafter final norm starts as ones or as the verifier's final norm (measured "
                          "equal on the embedded verifier)", choices=["ones", "verifier"])
