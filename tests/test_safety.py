@@ -494,3 +494,25 @@ def test_a_run_saved_before_loss_decay_had_a_resolved_default_continues_as_train
     assert rc == 1 and "--loss-decay 0.3 (the checkpoint has 1.0)" in err
     assert run_cli(capsys, *train_args(tmp, run, "--resume", "--max-steps", "3", "--loss-decay", "1"))[0] == 0
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()][-1] == 3
+
+
+def test_epochs_default_change_reuses_max_steps_runs_and_continues_epoch_runs(world, tmp_path, capsys):
+    """--epochs defaults to 2 since 2026-12-02. A finished run made with --max-steps trained the same whatever
+    --epochs said, so it is reused under any --epochs; a run sized by --epochs 1 is not the new default's run: the
+    command refuses to replace it, and --resume continues it into its second pass."""
+    tmp, _ = world
+    run = tmp_path / "run"
+    assert run_cli(capsys, *train_args(tmp, run, "--epochs", "1"))[0] == 0
+    for extra in ((), ("--epochs", "3")):
+        rc, out, _ = run_cli(capsys, *train_args(tmp, run, *extra))
+        assert rc == 0 and "reusing it" in out, extra
+    by_epochs = [str(a) for a in train_args(tmp, tmp_path / "by-epochs")]
+    i = by_epochs.index("--max-steps")
+    del by_epochs[i:i + 2]
+    assert run_cli(capsys, *by_epochs, "--epochs", "1")[0] == 0
+    one_pass = [json.loads(x)["step"] for x in (tmp_path / "by-epochs" / "metrics.jsonl").read_text().splitlines()]
+    rc, _, err = run_cli(capsys, *by_epochs)  # the new default is another run: never replaced unasked
+    assert rc == 1 and "--resume" in err
+    assert run_cli(capsys, *by_epochs, "--resume")[0] == 0
+    steps = [json.loads(x)["step"] for x in (tmp_path / "by-epochs" / "metrics.jsonl").read_text().splitlines()]
+    assert one_pass[-1] >= 2 and steps[-1] == 2 * one_pass[-1] and steps[:len(one_pass)] == one_pass

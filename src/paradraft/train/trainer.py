@@ -704,10 +704,15 @@ def finished_run(cfg: TrainConfig) -> dict | None:
     algo = drafter_class(cfg.algorithm)
     algo.resolve_train_config(cfg)
     data = dataset_identity(PreparedDataset(cfg.data).manifest)
-    same = [train_identity(cfg, data)]
+    alike = [cfg]
     if cfg.loss_decay == algo.unset_loss_decay:  # also a run saved before --loss-decay's default was resolved
-        same.append(train_identity(dataclasses.replace(cfg, loss_decay=None), data))
-    if prov.get("train_identity") not in same:
+        alike.append(dataclasses.replace(cfg, loss_decay=None))
+    saved_epochs = (prov.get("train_config") or {}).get("epochs")
+    if cfg.max_steps is not None and saved_epochs not in (None, cfg.epochs):
+        # --max-steps overrides --epochs, so the epochs a run recorded (1, the default before 2026-12-02) did not
+        # change what it trained
+        alike += [dataclasses.replace(c, epochs=saved_epochs) for c in alike]
+    if prov.get("train_identity") not in [train_identity(c, data) for c in alike]:
         return None
     return prov.get("final") or {}
 
