@@ -97,15 +97,16 @@ def test_autocast_auto_follows_the_hardware_and_a_resumed_run_keeps_its_dtype(wo
         assert resolve_autocast("float32", "cpu") == "float32" and resolve_autocast("bfloat16", "cpu") == "bfloat16"
     # a run begun in bf16 (an AMX machine) and resumed with auto where bf16 is slow goes on in bf16: same numerics
     with pytest.raises(KeyboardInterrupt):
-        t = Trainer(cfg(tmp, "amx", autocast="bfloat16", max_steps=4, save_every=2), verifier=model, tokenizer=tok)
+        t = Trainer(cfg(tmp, "amx", autocast="bfloat16", max_steps=4, save_every=2, verifier_dtype="float32"),
+                    verifier=model, tokenizer=tok)
         signal_after_second_step(t).train()
     assert json.loads((tmp / "amx" / "checkpoints" / "step-0000002" / "state.json").read_text())["autocast"] \
         == "bfloat16"
-    final = train(cfg(tmp, "amx", autocast="auto", max_steps=4, save_every=2, resume=True), verifier=model,
-                  tokenizer=tok)
+    final = train(cfg(tmp, "amx", autocast="auto", max_steps=4, save_every=2, resume=True,
+                      verifier_dtype="float32"), verifier=model, tokenizer=tok)
     assert final["autocast"] == "bfloat16"
     # the finished run is what auto means where bf16 is the fast path (reused), and not where it is not
-    again = cfg(tmp, "amx", autocast="auto", max_steps=4, save_every=2)
+    again = cfg(tmp, "amx", autocast="auto", max_steps=4, save_every=2, verifier_dtype="float32")
     with pytest.raises(TrainingError, match="holds a training run"):
         train(again, verifier=model, tokenizer=tok)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)

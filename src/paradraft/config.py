@@ -226,6 +226,9 @@ class PrepareConfig(Checked):
             raise ConfigError("--data: give at least one source")
 
 
+# what `auto` means for every dtype flag (the rule: paradraft.utils.fast_dtype)
+AUTO_DTYPE = ("auto: bfloat16 on a GPU that has it or a CPU with AMX, else float32, where bf16 is the slow path "
+              "(4.6x slower on an AVX2 CPU)")
 VLLM_PYTHON_HELP = ("with --engine vllm: the Python that has vLLM (default: $PARADRAFT_VLLM_PYTHON, else "
                     ".venv-vllm/bin/python, else this Python)")
 
@@ -248,7 +251,7 @@ class RegenerateConfig(Checked):
     top_p: float = opt(1.0, help="nucleus sampling", gt=0, le=1)
     batch_size: int = opt(8, help="conversations generated together", ge=1)
     seed: int = opt(0, help="seed of the shuffle and of sampling")
-    dtype: str = opt("bfloat16", help="verifier dtype", choices=["bfloat16", "float32"])
+    dtype: str = opt("auto", help=f"verifier dtype ({AUTO_DTYPE})", choices=["auto", "bfloat16", "float32"])
     timeout: float = opt(300.0, help="HTTP timeout per request with --endpoint (seconds)", gt=0)
     engine: str = opt("paradraft", help="generate with paradraft's engine, or with vLLM offline (batched; "
                       "--batch-size conversations per request batch)", choices=["paradraft", "vllm"])
@@ -286,7 +289,9 @@ class ExtractConfig(Checked):
     verifier: str | None = opt(None, help="verifier (default: the one the data was prepared for)")
     layers: list[int] | None = opt(None, help="the 3 aux layer ids, comma separated (default 2,L//2,L-3)", ge=0)
     split: str = opt("all", help="which samples", choices=["all", "train", "val"])
-    dtype: str = opt("bfloat16", help="verifier and storage dtype", choices=["bfloat16", "float32"])
+    dtype: str = opt("auto", help="verifier and storage dtype; auto: the verifier runs in bfloat16 on a GPU that "
+                     "has it or a CPU with AMX, else in float32, and the hidden states are stored in bfloat16",
+                     choices=["auto", "bfloat16", "float32"])
     batch_tokens: int = opt(8192, help="tokens per verifier batch (padded)", ge=1)
     samples_per_shard: int = opt(256, help="samples per shard file", ge=1)
     shard: str | None = opt(None, help="K/N: this process does shards K, K+N, ... (default: torchrun RANK/WORLD_SIZE)")
@@ -411,8 +416,8 @@ class TrainConfig(Checked):
                          choices=["auto", "sdpa", "flex"])
     fsdp: bool = opt(False, help="shard the drafter with FSDP (torchrun, large drafters on GPUs)")
     device: str = opt("auto", help="cpu | cuda | auto")
-    verifier_dtype: str = opt("bfloat16", help="verifier dtype (online mode and targets)",
-                              choices=["bfloat16", "float32"])
+    verifier_dtype: str = opt("auto", help=f"verifier dtype (online mode and targets; {AUTO_DTYPE}; a "
+                              "resumed run keeps the dtype it began with)", choices=["auto", "bfloat16", "float32"])
 
     def check(self) -> None:
         if (self.hidden_states is None) == (not self.online):
@@ -440,7 +445,7 @@ class GenerateConfig(Checked):
     top_k: int = opt(0, help="top-k sampling (0 = off)", ge=0)
     num_speculative_tokens: int = opt(7, help="K draft tokens per verifier pass", ge=1)
     batch_size: int = opt(1, help="prompts decoded together", ge=1)
-    dtype: str = opt("bfloat16", help="verifier and drafter dtype", choices=["bfloat16", "float32"])
+    dtype: str = opt("auto", help=f"verifier and drafter dtype ({AUTO_DTYPE})", choices=["auto", "bfloat16", "float32"])
     seed: int = opt(0, help="sampling seed")
     stream: bool = opt(False, help="print text as it is accepted (batch size 1)")
     force: bool = opt(False, help="use a drafter recorded for another verifier")
@@ -467,7 +472,8 @@ class BenchConfig(Checked):
     num_speculative_tokens: list[int] = opt(factory=lambda: [3, 5, 7], help="K values, comma separated", ge=1)
     repeats: int = opt(2, help="repeats (interleaved); tokens/s is the median", ge=1)
     prompt_lookup: bool = opt(True, help="also run Hugging Face assisted generation with prompt lookup")
-    dtype: str = opt("bfloat16", help="dtype", choices=["bfloat16", "float32"])
+    dtype: str = opt("auto", help=f"verifier and drafter dtype ({AUTO_DTYPE}, on the engine's device)",
+                     choices=["auto", "bfloat16", "float32"])
     output: str = opt("runs/bench/results.json", help="output JSON", short="-o")
     plot: str | None = opt(None, help="PNG of speedup and acceptance length against K")
     seed: int = opt(0, help="sampling seed")

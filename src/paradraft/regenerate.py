@@ -27,6 +27,7 @@ from .data.template import encode_prompt, stop_token_ids
 from .decode.engine import Engine, GenerationConfig
 from .errors import UserError
 from .outputs import OutputError, check_writable, output_lock
+from .utils import engine_dtype
 from .verifier import load_tokenizer, load_verifier, resolve_verifier
 from .vllm_driver import VllmEngine, VllmError, engine_args, find_vllm_python
 
@@ -153,6 +154,7 @@ def regenerate(cfg: RegenerateConfig, generator=None) -> dict:
     """Run `regenerate`; returns counts."""
     out = Path(cfg.output)
     check_writable(out, "--output", is_dir=False)
+    cfg.dtype = engine_dtype(cfg.dtype, cfg.engine)
     if cfg.engine == "vllm" and generator is None:
         find_vllm_python(cfg.vllm_python)  # before the work: a missing vLLM is a one-line error
     with output_lock(out, "--output"):  # two regenerate runs appending to one file would interleave

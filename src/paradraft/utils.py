@@ -1,4 +1,4 @@
-"""Small shared helpers: atomic writes, JSON files, checksums."""
+"""Small shared helpers: atomic writes, JSON files, checksums, the fast dtype of a device."""
 
 from __future__ import annotations
 
@@ -9,6 +9,34 @@ import math
 import os
 import tempfile
 from pathlib import Path
+
+DTYPES = ("bfloat16", "float32")
+
+
+def fast_dtype(device: str) -> str:
+    """bfloat16 where bf16 matmuls are the fast path (a CUDA GPU that supports bf16, a CPU with AMX tiles), else
+    float32. The one rule behind every `auto` dtype (training autocast, the verifier of every command). Measured
+    without AMX: bf16 matmuls 1.4x slower than float32 on a 2-core AVX-512 CPU, the embedded verifier's forward
+    4.6x slower on a 2-core AVX2 CPU (BENCHMARKS.md, "Verifier dtype")."""
+    import torch
+
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return "bfloat16" if amx is not None and amx() else "float32"
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> str:
+    """A dtype flag's value with `auto` resolved for `device` (fast_dtype)."""
+    return fast_dtype(device) if name == "auto" else name
+
+
+def engine_dtype(name: str, engine: str = "paradraft") -> str:
+    """The dtype a decoding command (`generate`, `bench`, `regenerate`) runs in: `auto` resolved for the engine's
+    device: paradraft's engine runs on the CPU, vLLM on the GPU when there is one."""
+    import torch
+
+    return resolve_dtype(name, "cuda" if engine == "vllm" and torch.cuda.is_available() else "cpu")
 
 
 def umask() -> int:

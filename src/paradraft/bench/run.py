@@ -34,7 +34,7 @@ from ..decode.generate import read_prompts
 from ..errors import DataError
 from ..models.checkpoint import load_drafter
 from ..outputs import check_writable
-from ..utils import fingerprint, read_json, sha256_file, write_json
+from ..utils import engine_dtype, fingerprint, read_json, sha256_file, write_json
 from ..verifier import load_tokenizer, load_verifier
 from ..vllm_driver import find_vllm_python
 from .metrics import speedup_per_repeat, tokens_per_s
@@ -130,6 +130,7 @@ def bench(cfg: BenchConfig) -> dict:
         check_writable(cfg.plot, "--plot", is_dir=False)
     if cfg.engine == "vllm":
         find_vllm_python(cfg.vllm_python)  # before the work: a missing vLLM is a one-line error
+    cfg.dtype = engine_dtype(cfg.dtype, cfg.engine)  # recorded resolved: results say what they were measured in
     identity = bench_identity(cfg)
     if cfg.reuse and Path(cfg.output).is_file():
         try:

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ..config import parse_shard
 from ..errors import UserError
 from ..outputs import check_replaceable, claim_dir, write_marker
-from ..utils import read_json, save_tensors, sha256_file, write_json
+from ..utils import read_json, resolve_dtype, save_tensors, sha256_file, write_json
 from ..verifier import Tap, compute_samples, default_aux_layers, load_verifier, load_verifier_config, resolve_verifier
 from .prepare import PreparedDataset
 from .vllm_hidden import VllmHiddenStates, check_supported
@@ -74,14 +74,17 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
     ds = PreparedDataset(cfg.data)
     claim_dir(out, "hidden_states", "--output", legacy=lambda p: (p / "identity.json").is_file())
     verifier_name = cfg.verifier or ds.manifest["verifier"]
-    dtype = getattr(torch, cfg.dtype)
     engine = cfg.engine
+    # the verifier computes in `compute` and the shards store `dtype`: `auto` computes in the fast dtype of the
+    # device (float32 on a CPU without AMX, where bf16 is the slow path) and stores bfloat16 (half the disk)
+    compute_dtype = resolve_dtype(cfg.dtype, "cuda" if engine == "vllm" else cfg.device)
+    dtype = getattr(torch, "bfloat16" if cfg.dtype == "auto" else cfg.dtype)
     if engine == "vllm":
         check_supported(cfg.vllm_python)  # before anything is written: on CPU it cannot work, and says why
         vcfg = load_verifier_config(verifier_name)
     else:
         if model is None:
-            model, tokenizer = load_verifier(verifier_name, dtype=dtype, device=cfg.device)
+            model, tokenizer = load_verifier(verifier_name, dtype=compute_dtype, device=cfg.device)
         vcfg = model.config
     L, H = vcfg.num_hidden_layers, vcfg.hidden_size
     layer_ids = resolve_layers(L, cfg.layers)
@@ -102,9 +105,11 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
     k, n = _parse_shard(cfg.shard)
     mine = [s for s in range(len(shards)) if s % n == k]
     identity = {"format": FORMAT, "data": str(Path(cfg.data).resolve()), "data_identity": ds.manifest.get("identity"),
-                "verifier": verifier_name, "layer_ids": layer_ids, "dtype": cfg.dtype, "split": cfg.split,
-                "trained_only": cfg.trained_only, "samples_per_shard": cfg.samples_per_shard,
+                "verifier": verifier_name, "layer_ids": layer_ids, "dtype": str(dtype).removeprefix("torch."),
+                "split": cfg.split, "trained_only": cfg.trained_only, "samples_per_shard": cfg.samples_per_shard,
                 "num_samples": len(indices)}
+    if compute_dtype != identity["dtype"]:  # recorded only when it differs: bf16 extractions of before match
+        identity["compute_dtype"] = compute_dtype
     _claim_identity(out, identity, cfg.overwrite)
 
     bpt = _bytes_per_token(H, len(layer_ids), dtype)
@@ -122,7 +127,7 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
                                  f"{free / 2**30:.2f} GiB free; free space, use --trained-only, or --shard")
 
     if engine == "vllm":
-        compute = VllmHiddenStates(resolve_verifier(verifier_name), layer_ids, L, cfg.dtype,
+        compute = VllmHiddenStates(resolve_verifier(verifier_name), layer_ids, L, compute_dtype,
                                    max_len=max(lengths_kept, default=1), work_dir=out, python=cfg.vllm_python)
     else:
         tap = Tap(model, layer_ids)

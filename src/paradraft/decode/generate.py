@@ -14,7 +14,7 @@ from ..data.template import encode_prompt, stop_token_ids
 from ..errors import UserError
 from ..models.checkpoint import load_drafter
 from ..outputs import check_writable
-from ..utils import write_text_atomic
+from ..utils import engine_dtype, write_text_atomic
 from ..verifier import load_verifier
 from .engine import Engine, GenerationConfig
 
@@ -48,7 +48,8 @@ def read_prompts(path: str | Path) -> list[dict]:
 
 
 def load_engine(verifier_name: str, drafter: str | None, dtype: str, force: bool = False, max_len: int = 4096):
-    """(engine, tokenizer) ready to generate."""
+    """(engine, tokenizer) ready to generate; `dtype` may be `auto` (utils.engine_dtype)."""
+    dtype = engine_dtype(dtype)
     model, tok = load_verifier(verifier_name, dtype=dtype)
     d = None
     if drafter:

@@ -37,7 +37,16 @@ from ..models.common import DraftConfig
 from ..models.loss import acceptance_estimate
 from ..models.registry import drafter_class
 from ..outputs import KIND_FILES, claim_dir, output_lock, write_marker
-from ..utils import fingerprint, json_safe, read_json, save_tensors, write_json, write_text_atomic
+from ..utils import (
+    DTYPES,
+    fingerprint,
+    json_safe,
+    read_json,
+    resolve_dtype,
+    save_tensors,
+    write_json,
+    write_text_atomic,
+)
 from ..verifier import adapter_for, load_verifier, resolve_verifier
 from .data import OfflineSource, OnlineSource, TargetHead, epoch_plan
 from .distributed import full_state_dict, load_full_state_dict, shard_fsdp
@@ -112,15 +121,9 @@ class ResumeMismatchError(TrainingError):
 
 
 def resolve_autocast(name: str, device: str) -> str:
-    """The autocast dtype `--autocast auto` means on this device: bfloat16 where bf16 matmuls are the fast path (a
-    CUDA GPU that supports bf16, a CPU with AMX tiles), else float32. Measured on a 2-core AVX-512 CPU without AMX:
-    bf16 matmuls at 133-151 GFLOP/s against float32's 185-246, a P-EAGLE step 1.6x slower in bf16."""
-    if name != "auto":
-        return name
-    if device.startswith("cuda"):
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return "bfloat16" if amx is not None and amx() else "float32"
+    """The autocast dtype `--autocast auto` means on this device (utils.fast_dtype). Measured on a 2-core AVX-512
+    CPU without AMX: bf16 matmuls at 133-151 GFLOP/s against float32's 185-246, a P-EAGLE step 1.6x slower in bf16."""
+    return resolve_dtype(name, device)
 
 
 def lr_at(step: int, warmup_steps: int, total: int, schedule: str = "cosine") -> float:
@@ -158,17 +161,32 @@ def checkpoints_in(out: Path) -> list[Path]:
     return sorted((out / "checkpoints").glob("step-*")) if (out / "checkpoints").is_dir() else []
 
 
+def ran_dtype(out: Path, key: str) -> str | None:
+    """The dtype (`autocast`, `verifier_dtype`) the newest checkpoint in `out` records it ran in, if readable."""
+    found = checkpoints_in(out)
+    try:
+        st = read_json(found[-1] / "state.json") if found else {}
+    except (OSError, ValueError):
+        return None
+    ran = st.get(key) or (st.get("config") or {}).get(key)
+    return ran if ran in DTYPES else None
+
+
 def resume_problems(state: dict, cfg: TrainConfig, data_identity: str) -> list[str]:
     """Why a checkpoint's run cannot be continued with `cfg` (empty: it can). Only the flags in
     RESUME_MAY_CHANGE may differ; the data must be the same dataset."""
     want = config_to_dict(cfg)
     # a flag added after the checkpoint was written ran there as its default (new flags keep the old behaviour)
     saved = {**field_defaults(TrainConfig), **(state.get("config") or {})}
+    for k in ("autocast", "verifier_dtype"):  # the dtype the run used, where its flag said auto
+        if saved.get(k) == "auto" and state.get(k):
+            saved[k] = state[k]
     if saved.get("loss_decay") is None and saved.get("algorithm"):  # saved before the default was resolved into it
         saved["loss_decay"] = drafter_class(saved["algorithm"]).unset_loss_decay
+    # `auto` continues the run's dtype
     problems = [f"--{k.replace('_', '-')} {want.get(k)!r} (the checkpoint has {saved.get(k)!r})"
                 for k in sorted(set(saved) | set(want)) if k not in RESUME_MAY_CHANGE and saved.get(k) != want.get(k)
-                and k in want and not (k == "autocast" and want[k] == "auto")]  # auto continues the run's dtype
+                and k in want and not (k in ("autocast", "verifier_dtype") and want[k] == "auto")]
     if state.get("data_identity") not in (None, data_identity):
         problems.append(f"--data {cfg.data} is another dataset than the one the run was trained on")
     return problems
@@ -268,8 +286,11 @@ class Trainer:
         if self.dist.main:
             check_run_dir(self.out, cfg, self.data_identity)
         self.verifier_name = cfg.verifier or self.ds.manifest["verifier"]
+        self.verifier_dtype = resolve_dtype(cfg.verifier_dtype, device)
+        if cfg.resume and cfg.verifier_dtype == "auto":  # the run's numerics stay the same on another machine
+            self.verifier_dtype = ran_dtype(self.out, "verifier_dtype") or self.verifier_dtype
         if verifier is None:
-            verifier, tokenizer = load_verifier(self.verifier_name, dtype=cfg.verifier_dtype, device=device)
+            verifier, tokenizer = load_verifier(self.verifier_name, dtype=self.verifier_dtype, device=device)
         self.verifier, self.tok = verifier, tokenizer
         for p in verifier.parameters():
             p.requires_grad_(False)
@@ -373,6 +394,7 @@ class Trainer:
             write_json(tmp / "state.json", {"step": self.step, "epoch": self.epoch, "pack_pos": self.pack_pos,
                                             "trained_tokens": self.trained_tokens, "world_size": self.dist.world,
                                             "config": config_to_dict(self.cfg), "autocast": self.autocast,
+                                            "verifier_dtype": self.verifier_dtype,
                                             "data_identity": self.data_identity})
         self.dist.barrier()
         # FSDP optimizer state is sharded: each rank keeps its own shard (resume with the same world size)
@@ -585,7 +607,7 @@ class Trainer:
                 signal.signal(s, h)
             if tb is not None:
                 tb.close()
-        final = {"step": self.step, "autocast": self.autocast}
+        final = {"step": self.step, "autocast": self.autocast, "verifier_dtype": self.verifier_dtype}
         if len(self.val_idx):
             final["val"] = last_val if (last_val and cfg.val_every and self.step % cfg.val_every == 0) \
                 else self.validate()
@@ -601,7 +623,7 @@ class Trainer:
         """The final checkpoint goes to --output itself, in the export format, beside metrics and the plot."""
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-final-", dir=self.out))
         try:
-            identity = train_identity(self.cfg, self.data_identity, self.autocast)
+            identity = train_identity(self.cfg, self.data_identity, self.autocast, self.verifier_dtype)
             write_drafter(self.model, tmp, state_dict=state_dict,
                           extra_provenance={"train_config": config_to_dict(self.cfg), "final": final,
                                             "data_identity": self.data_identity, "train_identity": identity})
@@ -682,13 +704,15 @@ def dataset_identity(manifest: dict) -> str:
     return fingerprint(manifest.get("identity") or manifest)
 
 
-def train_identity(cfg: TrainConfig, data_identity: str, autocast: str | None = None) -> str:
-    """What a finished run was made from: its resolved flags (less IDENTITY_IGNORES) and its dataset. `autocast` is
-    the dtype the run used (default: what --autocast means on this machine), so `auto` reuses a run made in the dtype
-    it resolves to here, whichever way that run spelled it."""
+def train_identity(cfg: TrainConfig, data_identity: str, autocast: str | None = None,
+                   verifier_dtype: str | None = None) -> str:
+    """What a finished run was made from: its resolved flags (less IDENTITY_IGNORES) and its dataset. `autocast` and
+    `verifier_dtype` are the dtypes the run used (default: what the flags mean on this machine), so `auto` reuses a
+    run made in the dtype it resolves to here, whichever way that run spelled it."""
     kept = {k: v for k, v in config_to_dict(cfg).items() if k not in IDENTITY_IGNORES}
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     kept["autocast"] = autocast or resolve_autocast(cfg.autocast, device)
+    kept["verifier_dtype"] = verifier_dtype or resolve_dtype(cfg.verifier_dtype, device)
     return fingerprint({"config": kept, "data": data_identity})
 
 

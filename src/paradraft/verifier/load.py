@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..utils import honour_umask
+from ..utils import honour_umask, resolve_dtype
 from .adapters import VerifierError, adapter_for
 
 EMBEDDED_NAME = "smollm2-135m"
@@ -118,11 +118,12 @@ def load_verifier_config(name: str):
 
 
 def load_verifier(name: str, dtype: torch.dtype | str = torch.bfloat16, device: str = "cpu"):
-    """(model, tokenizer) of a verifier, in eval mode, checked to be tappable."""
+    """(model, tokenizer) of a verifier, in eval mode, checked to be tappable. `dtype` may be `auto`
+    (utils.fast_dtype on `device`)."""
     from transformers import AutoModelForCausalLM
 
     if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+        dtype = getattr(torch, resolve_dtype(dtype, device))
     model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype).to(device).eval()
     adapter_for(model)  # refuses a model paradraft cannot tap, with the reason
     return model, load_tokenizer(name)
