@@ -141,3 +141,38 @@ def test_each_family_is_one_file_that_registers_itself():
     finally:
         registered.clear()
         registered.update(before)
+
+
+def test_small_m_projections_equal_the_modules_and_respect_what_they_cannot_see():
+    """verifier.linear: 2..16 float32 CPU rows as (W @ x^T)^T, the same product as the module up to float
+    rounding; one row, many rows, bf16, a Linear subclass and a module with hooks run as the module itself."""
+    from torch import nn
+
+    from paradraft.verifier.linear import linear, mlp
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96)
+    for shape in ((1, 64), (2, 64), (1, 4, 64), (2, 8, 64), (16, 64), (17, 64), (3, 7, 64)):
+        x = torch.randn(shape)
+        y = linear(lin, x)
+        assert y.shape == (*shape[:-1], 96)
+        torch.testing.assert_close(y, lin(x), rtol=1e-5, atol=1e-5)
+    x = torch.randn(4, 64)
+    assert torch.equal(linear(lin.to(torch.bfloat16), x.bfloat16()), lin(x.bfloat16()))  # bf16: the module
+    lin.float()
+
+    class Scaled(nn.Linear):  # a subclass may change forward: it runs itself
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    sub = Scaled(64, 96)
+    torch.testing.assert_close(linear(sub, x), 2 * nn.functional.linear(x, sub.weight, sub.bias))
+    seen = []
+    handle = lin.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    linear(lin, x)
+    handle.remove()
+    assert seen == [(4, 96)]  # a hook (a tap, an adapter) still fires
+    model = make_tiny_verifier("llama")
+    block = model.model.layers[0].mlp
+    h = torch.randn(1, 4, model.config.hidden_size)
+    torch.testing.assert_close(mlp(block, h), block(h), rtol=1e-5, atol=1e-5)

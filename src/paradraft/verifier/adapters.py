@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
+from .linear import linear
 
 
 class VerifierError(UserError, RuntimeError):
@@ -44,7 +45,7 @@ class Adapter:
     def logits(self, model, normed: torch.Tensor) -> torch.Tensor:
         """lm_head over final-normed states, with the output transforms configs declare: Granite's
         `logits_scaling` (divide) and Gemma's `final_logit_softcapping` (tanh cap)."""
-        out = model.lm_head(normed)
+        out = linear(model.lm_head, normed)  # [..., V]
         scale = getattr(model.config, "logits_scaling", None)
         if scale:
             out = out / scale

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .adapters import adapter_for
+from .linear import linear, mlp
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -86,9 +87,9 @@ class VerifierRunner:
                 auxes.append((i, h))
             x = layer.input_layernorm(h)
             attn = layer.self_attn
-            q = attn.q_proj(x).view(Bq, n, self.nh, self.hd)
-            k = attn.k_proj(x).view(Bq, n, self.nkv, self.hd)
-            v = attn.v_proj(x).view(Bq, n, self.nkv, self.hd)
+            q = linear(attn.q_proj, x).view(Bq, n, self.nh, self.hd)
+            k = linear(attn.k_proj, x).view(Bq, n, self.nkv, self.hd)
+            v = linear(attn.v_proj, x).view(Bq, n, self.nkv, self.hd)
             if getattr(attn, "q_norm", None) is not None:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
@@ -102,8 +103,8 @@ class VerifierRunner:
             if window:  # a key is visible only within the window: kv > q - window
                 mask = causal & (key_pos > pos[:, :, None] - window)[:, None]
             o = self._attend(q.transpose(1, 2), kk, vv, mask, attn.scaling, getattr(attn, "sinks", None))
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(Bq, n, self.nh * self.hd))
-            m = layer.mlp(layer.post_attention_layernorm(h))
+            h = h + linear(attn.o_proj, o.transpose(1, 2).reshape(Bq, n, self.nh * self.hd))
+            m = mlp(layer.mlp, layer.post_attention_layernorm(h))
             h = h + (m[0] if isinstance(m, tuple) else m)  # MoE blocks may also return router scores
         logits = self.adapter.logits(self.model, self.adapter.final_norm(self.model)(h)).float()
         self.lengths[rows] = start + n
