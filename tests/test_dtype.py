@@ -1,6 +1,6 @@
 """`auto` dtypes: one rule (paradraft.utils.fast_dtype) for the training autocast and for the verifier of every
 command. bfloat16 only where it is the fast path (a GPU that has it, a CPU with AMX); elsewhere float32, where a
-bf16 verifier forward ran 4.6x slower (an AVX2 CPU). Hidden states are stored in bf16 either way."""
+bf16 verifier forward ran 5-6x slower (an AVX2 CPU). Hidden states are stored in bf16 either way."""
 
 from __future__ import annotations
 

@@ -228,7 +228,7 @@ class PrepareConfig(Checked):
 
 # what `auto` means for every dtype flag (the rule: paradraft.utils.fast_dtype)
 AUTO_DTYPE = ("auto: bfloat16 on a GPU that has it or a CPU with AMX, else float32, where bf16 is the slow path "
-              "(4.6x slower on an AVX2 CPU)")
+              "(5-6x slower on an AVX2 CPU)")
 VLLM_PYTHON_HELP = ("with --engine vllm: the Python that has vLLM (default: $PARADRAFT_VLLM_PYTHON, else "
                     ".venv-vllm/bin/python, else this Python)")
 

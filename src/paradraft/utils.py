@@ -17,7 +17,7 @@ def fast_dtype(device: str) -> str:
     """bfloat16 where bf16 matmuls are the fast path (a CUDA GPU that supports bf16, a CPU with AMX tiles), else
     float32. The one rule behind every `auto` dtype (training autocast, the verifier of every command). Measured
     without AMX: bf16 matmuls 1.4x slower than float32 on a 2-core AVX-512 CPU, the embedded verifier's forward
-    4.6x slower on a 2-core AVX2 CPU (BENCHMARKS.md, "Verifier dtype")."""
+    5-6x slower on a 2-core AVX2 CPU (BENCHMARKS.md, "Verifier dtype")."""
     import torch
 
     if device.startswith("cuda"):
