@@ -75,7 +75,7 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
     claim_dir(out, "hidden_states", "--output", legacy=lambda p: (p / "identity.json").is_file())
     verifier_name = cfg.verifier or ds.manifest["verifier"]
     engine = cfg.engine
-    # the verifier computes in `compute` and the shards store `dtype`: `auto` computes in the fast dtype of the
+    # the verifier computes in `compute_dtype` and the shards store `dtype`: `auto` computes in the fast dtype of the
     # device (float32 on a CPU without AMX, where bf16 is the slow path) and stores bfloat16 (half the disk)
     compute_dtype = resolve_dtype(cfg.dtype, "cuda" if engine == "vllm" else cfg.device)
     dtype = getattr(torch, "bfloat16" if cfg.dtype == "auto" else cfg.dtype)

@@ -161,15 +161,19 @@ def checkpoints_in(out: Path) -> list[Path]:
     return sorted((out / "checkpoints").glob("step-*")) if (out / "checkpoints").is_dir() else []
 
 
-def ran_dtype(out: Path, key: str) -> str | None:
-    """The dtype (`autocast`, `verifier_dtype`) the newest checkpoint in `out` records it ran in, if readable."""
+def ran_dtype(state: dict, key: str) -> str | None:
+    """The dtype (`autocast`, `verifier_dtype`) a checkpoint's state records its run ran in, if it names one."""
+    ran = state.get(key) or (state.get("config") or {}).get(key)
+    return ran if ran in DTYPES else None
+
+
+def newest_state(out: Path) -> dict:
+    """The state.json of the newest checkpoint in `out` ({} when there is none or it cannot be read)."""
     found = checkpoints_in(out)
     try:
-        st = read_json(found[-1] / "state.json") if found else {}
+        return read_json(found[-1] / "state.json") if found else {}
     except (OSError, ValueError):
-        return None
-    ran = st.get(key) or (st.get("config") or {}).get(key)
-    return ran if ran in DTYPES else None
+        return {}
 
 
 def resume_problems(state: dict, cfg: TrainConfig, data_identity: str) -> list[str]:
@@ -288,7 +292,7 @@ class Trainer:
         self.verifier_name = cfg.verifier or self.ds.manifest["verifier"]
         self.verifier_dtype = resolve_dtype(cfg.verifier_dtype, device)
         if cfg.resume and cfg.verifier_dtype == "auto":  # the run's numerics stay the same on another machine
-            self.verifier_dtype = ran_dtype(self.out, "verifier_dtype") or self.verifier_dtype
+            self.verifier_dtype = ran_dtype(newest_state(self.out), "verifier_dtype") or self.verifier_dtype
         if verifier is None:
             verifier, tokenizer = load_verifier(self.verifier_name, dtype=self.verifier_dtype, device=device)
         self.verifier, self.tok = verifier, tokenizer
@@ -441,9 +445,7 @@ class Trainer:
         self.step, self.epoch, self.pack_pos = st["step"], st["epoch"], st["pack_pos"]
         self.trained_tokens = st.get("trained_tokens", 0)
         if self.cfg.autocast == "auto":  # the run's numerics stay the same on another machine
-            ran = st.get("autocast") or (st.get("config") or {}).get("autocast")
-            if ran in ("bfloat16", "float32"):
-                self.autocast = ran
+            self.autocast = ran_dtype(st, "autocast") or self.autocast
         if rng_state is not None:
             _set_rng_state(rng_state, self.gen)
 
