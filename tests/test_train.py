@@ -206,6 +206,49 @@ def test_online_equals_offline_first_step(world):
     assert torch.equal(b1.valid, b2.valid) and torch.equal(b1.doc, b2.doc)
 
 
+def test_targets_computed_only_where_a_slot_trains(world):
+    """The lm_head runs only at positions whose slot is trained: there the targets equal the verifier's over the
+    whole sample (in slot coordinates, the EAGLE shift), elsewhere they are zeros that nothing reads."""
+    tok, model, tmp = world
+    t = Trainer(cfg(tmp, "tg", max_steps=1), verifier=model, tokenizer=tok)
+    samples = t.source.get([int(i) for i in t.train_idx[:3]])
+    b = t.target_head.slot_batch(samples)
+    full = [t.target_head.head.targets(s["last"], t.target_head.ids) for s in samples]  # per sample [S, Vd], [S]
+    tp, tid = torch.cat([p[1:] for p, _ in full]), torch.cat([i[1:] for _, i in full])  # slot coordinates [T, ...]
+    assert b.valid.any() and not b.valid.all()  # prompts and sample ends are not trained
+    torch.testing.assert_close(b.target_p[b.valid], tp[b.valid], rtol=1e-5, atol=1e-6)
+    assert torch.equal(b.target_ids[b.valid], tid[b.valid])
+    assert not b.target_p[~b.valid].any() and not b.target_ids[~b.valid].any()
+
+
+def test_target_cache_is_bit_identical_and_spares_the_lm_head_after_the_first_epoch(world, monkeypatch):
+    """Offline CPU training keeps each sample's targets after their first computation: two epochs with the cache
+    give exactly the weights of two epochs without it, and the lm_head runs over the training samples once."""
+    from safetensors.torch import load_file
+
+    import paradraft.train.trainer as trainer_mod
+
+    tok, model, tmp = world
+    rows, weights = {}, {}
+    for name, budget in (("cache-off", 0), ("cache-on", trainer_mod.TARGET_CACHE_BYTES)):
+        monkeypatch.setattr(trainer_mod, "TARGET_CACHE_BYTES", budget)
+        t = Trainer(cfg(tmp, name, max_steps=None, epochs=2, val_every=0), verifier=model, tokenizer=tok)
+        seen = []
+
+        def counted(h, ids, real=t.target_head.head.targets, seen=seen, **k):
+            seen.append(h.shape[0])  # rows through the lm_head
+            return real(h, ids, **k)
+
+        t.target_head.head.targets = counted
+        t.train()
+        rows[name] = sum(seen)
+        weights[name] = load_file(str(tmp / name / "model.safetensors"))
+    assert t.target_head.cached_bytes > 0 and t.epoch >= 1
+    assert weights["cache-on"].keys() == weights["cache-off"].keys()
+    assert all(torch.equal(weights["cache-on"][k], weights["cache-off"][k]) for k in weights["cache-on"])
+    assert rows["cache-off"] > 1.8 * rows["cache-on"]  # the second epoch's targets came from the cache
+
+
 @pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
 def test_embeddings_frozen_by_default_trained_on_request(world, algorithm):
     tok, model, tmp = world

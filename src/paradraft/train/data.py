@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 
 import numpy as np
@@ -10,6 +11,11 @@ import torch
 from ..data.hidden_states import HiddenStates, OnlineHiddenStates
 from ..models.loss import SlotBatch, pack_slots, slots_from_sample
 from ..verifier import VerifierHead
+
+try:  # offline CPU training keeps up to 2 GiB of targets (~65k trained tokens at an 8k draft vocab), 1/8 of the RAM
+    TARGET_CACHE_BYTES = min(2 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8)
+except (ValueError, OSError, AttributeError):  # no sysconf (Windows): the lm_head as before
+    TARGET_CACHE_BYTES = 0
 
 
 class OfflineSource:
@@ -66,23 +72,50 @@ class OnlineSource:
 
 
 class TargetHead:
-    """The verifier's final norm + lm_head, to turn stored last hidden states into target distributions."""
+    """The verifier's final norm + lm_head, to turn stored last hidden states into target distributions.
 
-    def __init__(self, verifier, draft_target_ids: torch.Tensor, device="cpu"):
+    With `cache_bytes` > 0 (offline training on a CPU) the targets of each sample are kept after their first
+    computation, up to that many bytes (first come, never evicted: every epoch visits every sample), so the
+    epochs after the first skip the lm_head. A cached target is the same computation on the same stored input,
+    so training is bit-identical with or without the cache."""
+
+    def __init__(self, verifier, draft_target_ids: torch.Tensor, device="cpu", cache_bytes: int = 0):
         self.head = VerifierHead(verifier, device)
         self.ids = draft_target_ids.to(device)
         self.device = device
+        self.cache_bytes, self.cached_bytes = cache_bytes, 0
+        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # sample index -> (p [n, Vd], ids [n])
 
     def slot_batch(self, samples: list[dict]) -> SlotBatch:
         """Packed SlotBatch of samples (the EAGLE shift, verifier targets, document ids)."""
         parts = []
         for s in samples:
-            last = s["last"].to(self.device)
-            tp, tid = self.head.targets(last, self.ids)
+            last = s["last"].to(self.device)  # [S, H]
+            tp, tid = self.targets(last, s["loss_mask"].bool().to(self.device), s.get("sample_index"))
             parts.append(slots_from_sample(s["input_ids"].long().to(self.device), s["loss_mask"].bool().to(self.device),
                                            s["aux"].to(self.device).float(), tp, tid))
         b = pack_slots(parts)
         return b
+
+    def targets(self, last: torch.Tensor, loss_mask: torch.Tensor, key: int | None = None):
+        """last [S, H], loss_mask [S] bool -> (target_p [S, Vd] float32, target_ids [S]) of one sample, computed
+        only at the positions a slot trains on: verifier position p predicts x_{p+1}, and its slot (p - 1, see
+        `slots_from_sample`) is valid iff x_{p+1} is a trained token. Every other row is zeros (never read: the
+        loss, accuracy and validation all select valid slots), which saves the lm_head over prompts and padding."""
+        S = last.shape[0]
+        need = torch.zeros(S, dtype=torch.bool, device=last.device)  # [S]
+        need[1:S - 1] = loss_mask[2:]
+        hit = self.cache.get(key) if key is not None else None
+        if hit is None:
+            hit = self.head.targets(last[need], self.ids)  # [n, Vd], [n]
+            size = hit[0].numel() * hit[0].element_size() + hit[1].numel() * hit[1].element_size()
+            if key is not None and self.cached_bytes + size <= self.cache_bytes:
+                self.cache[key] = hit
+                self.cached_bytes += size
+        tp = torch.zeros(S, len(self.ids), dtype=torch.float32, device=last.device)  # [S, Vd]
+        tid = torch.zeros(S, dtype=torch.long, device=last.device)  # [S]
+        tp[need], tid[need] = hit
+        return tp, tid
 
 
 def epoch_plan(indices: np.ndarray, lengths: dict[int, int], source, batch_tokens: int, seed: int,

@@ -48,7 +48,7 @@ from ..utils import (
     write_text_atomic,
 )
 from ..verifier import adapter_for, load_verifier, resolve_verifier
-from .data import OfflineSource, OnlineSource, TargetHead, epoch_plan
+from .data import TARGET_CACHE_BYTES, OfflineSource, OnlineSource, TargetHead, epoch_plan
 from .distributed import full_state_dict, load_full_state_dict, shard_fsdp
 from .plot import plot_metrics
 
@@ -350,7 +350,9 @@ class Trainer:
         self.model.to(device)
         backend = cfg.attention if cfg.attention != "auto" else ("flex" if device.startswith("cuda") else "sdpa")
         self.model.backend = backend
-        self.target_head = TargetHead(verifier, draft_to_target_ids(d2t), device)
+        # offline on a CPU the targets of every sample are kept after the first epoch (bit-identical, see TargetHead)
+        self.target_head = TargetHead(verifier, draft_to_target_ids(d2t), device,
+                                      cache_bytes=0 if cfg.online or device != "cpu" else TARGET_CACHE_BYTES)
         self.train_args = self.algo.train_args(cfg)
         self.num_depths = self.algo.scored_depths(cfg)
         self.wrapped = self._wrap(self.model)

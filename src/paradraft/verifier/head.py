@@ -28,7 +28,8 @@ class VerifierHead:
     def targets(self, last_hidden: torch.Tensor, draft_target_ids: torch.Tensor, chunk: int = 1024):
         """last_hidden [S, H] -> (target_p [S, Vd] float32 over the draft vocabulary, target_ids [S] the argmax over
         the FULL vocabulary)."""
-        ps, ids = [], []
+        ps = [torch.zeros(0, len(draft_target_ids), device=self.device)]  # [0, Vd]: no rows gives empty targets
+        ids = [torch.zeros(0, dtype=torch.long, device=self.device)]
         for s in range(0, last_hidden.shape[0], chunk):
             logits = self.logits(last_hidden[s:s + chunk])  # [c, V]
             ids.append(logits.argmax(-1))
