@@ -4,14 +4,51 @@ weight matrix, a decoding step one.
 On a CPU in float32, `F.linear(x, W)` (what nn.Linear runs: x @ W^T) takes a small-M path that costs 2-3x the
 same product computed as (W @ x^T)^T for 2..16 rows, measured on a 2-core AVX2 host with MKL (BENCHMARKS.md,
 "Small-M matmuls"): there a K=3 verification step cost 1.8x a decoding step, and speculative decoding ran slower
-than plain decoding. Elsewhere (one row, many rows, bf16, a GPU, a Linear subclass or a module with hooks) the
-module runs as it is.
+than plain decoding. Which path is faster depends on the CPU, its BLAS and the shape (on that host 8 rows ran
+slower transposed), so the rule is measured, not assumed: the first time a (rows, weight shape, threads) is seen,
+both paths are timed on it (best of a few, ~ms) and the transposed one is kept only if it is >= 10% faster.
+$PARADRAFT_SMALL_M=on / off forces it for 2..16 rows (reproducing a run, or measuring the rule itself).
+Elsewhere (one row, many rows, bf16, a GPU, a Linear subclass or a module with hooks) the module runs as it is.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import time
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+SMALL_M_ENV = "PARADRAFT_SMALL_M"
+_FASTER: dict[tuple[int, int, int, int], bool] = {}  # (rows, out, in, threads) -> the transposed path measured faster
+
+
+def transposed_faster(w: torch.Tensor, rows: int) -> bool:
+    """Whether (W @ x.T).T beats F.linear for `rows` rows of this weight [out, in] on this CPU (measured once per
+    shape and thread count; $PARADRAFT_SMALL_M=on / off overrides)."""
+    forced = os.environ.get(SMALL_M_ENV, "auto").lower()
+    if forced in ("on", "off"):
+        return forced == "on"
+    key = (rows, int(w.shape[0]), int(w.shape[1]), torch.get_num_threads())
+    if key not in _FASTER:
+        _FASTER[key] = _measure(w, rows)
+    return _FASTER[key]
+
+
+@torch.inference_mode()
+def _measure(w: torch.Tensor, rows: int, repeats: int = 5) -> bool:
+    """Best-of-`repeats` wall time of both paths on a random x [rows, in], interleaved (the first round warms up)."""
+    x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+    best = [math.inf, math.inf]  # F.linear, transposed
+    for r in range(repeats + 1):
+        for k in (0, 1):
+            t0 = time.perf_counter()
+            _ = F.linear(x, w) if k == 0 else (w @ x.T).T
+            if r:
+                best[k] = min(best[k], time.perf_counter() - t0)
+    return best[1] < 0.9 * best[0]
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -19,7 +56,8 @@ def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     w = getattr(module, "weight", None)
     rows = x.numel() // max(1, x.shape[-1])
     if (type(module) is not nn.Linear or not 2 <= rows <= 16 or w.dtype != torch.float32 or x.dtype != w.dtype
-            or w.device.type != "cpu" or module._forward_hooks or module._forward_pre_hooks):
+            or w.device.type != "cpu" or module._forward_hooks or module._forward_pre_hooks
+            or not transposed_faster(w, rows)):
         return module(x)
     y = (w @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], w.shape[0])  # [rows, out] -> [..., out]
     return y if module.bias is None else y + module.bias
