@@ -107,6 +107,31 @@ def test_greedy_lossless_trained_drafters_and_hf(trained, algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_greedy_drafts_skip_the_full_vocabulary_q_and_stay_the_same(algorithm):
+    """At T=0 a draft token is the drafter's argmax mapped to its target id, with no [.., V] proposal built: the
+    same drafts, passes and tokens as the argmax of the full-vocabulary one-hot q (a 60-of-120 draft vocabulary)."""
+    v = make_tiny_llama(vocab_size=120, seed=1)
+    d, _ = tiny_drafter(algorithm, verifier=v)
+    prompts = prompts_for(120, n=6)
+    g = GenerationConfig(max_new_tokens=16, num_speculative_tokens=4)
+    runs = {}
+    for fast in (True, False):
+        eng, drafts = Engine(v, d), []
+        assert eng.ascending
+        eng.ascending = fast  # False: the one-hot q over the target vocabulary, as sampling builds it
+
+        def recorded(st, active, draft=eng.draft, drafts=drafts):
+            drafts.append(draft(st, active))  # (draft [R, K], q [R, K, V] or None)
+            return drafts[-1]
+
+        eng.draft = recorded
+        out = eng.generate(prompts, g)
+        assert all((q is None) == fast for _, q in drafts)
+        runs[fast] = ([dr.tolist() for dr, _ in drafts], [r.token_ids for r in out], [r.accepted_per_pass for r in out])
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
 def test_one_draft_token_per_pass(algorithm):
     v = make_tiny_llama(vocab_size=120, seed=1)
     d, _ = tiny_drafter(algorithm, verifier=v)

@@ -63,6 +63,9 @@ class Engine:
         if drafter is not None:
             drafter.eval()
             self.draft_ids = drafter.d2t + torch.arange(len(drafter.d2t), device=drafter.d2t.device)  # [Vd]
+            # draft ids in ascending target id (paradraft's and speculators' vocabularies): at T=0 the draft argmax
+            # maps to the argmax of the full-vocabulary q without building it
+            self.ascending = bool((self.draft_ids[1:] > self.draft_ids[:-1]).all())
 
     # ----------------------------------------------------------------------------------------- the steps
 
@@ -76,6 +79,13 @@ class Engine:
         """The sampling rule on processed probabilities [..., V]: argmax at T=0, else a draw."""
         return probs.argmax(-1) if st.g.temperature <= 0 else sample(probs, st.gen)
 
+    def _token(self, logits: torch.Tensor, st: _State) -> torch.Tensor:
+        """The verifier's token from its logits [..., V] -> [...]. At T=0 the argmax of the logits, which is the
+        argmax of process_logits' one-hot (the same first index) without building a [..., V] one-hot per step."""
+        g = st.g
+        return logits.argmax(-1) if g.temperature <= 0 else self._pick(process_logits(logits, g.temperature, g.top_p,
+                                                                                       g.top_k), st)
+
     def prefill(self, st: _State, prompts: list[list[int]]) -> None:
         """Each prompt through the verifier (row by row: ragged prompts); its first token; the drafter's context."""
         g, dev = st.g, self.runner.device
@@ -84,17 +94,17 @@ class Engine:
                 raise GenerationError(f"prompt {b} of {len(p)} tokens + {g.max_new_tokens} new tokens exceeds the "
                                       f"KV cache ({self.runner.max_len} tokens, --max-len)")
             logits, aux = self.runner.forward(torch.tensor([p], device=dev), rows=torch.tensor([b], device=dev))
-            x = int(self._pick(process_logits(logits[0, -1], g.temperature, g.top_p, g.top_k), st))
+            x = int(self._token(logits[0, -1], st))
             st.emit(b, [x], accepted=None)
             if self.drafter is not None:
                 st.ctx[b] = (torch.tensor(p[1:] + [x]), aux[0].float(), torch.arange(1, len(p) + 1))
 
     def plain_step(self, st: _State, active: list[int]) -> None:
         """One verifier pass of plain decoding: one new token per active row."""
-        g, dev = st.g, self.runner.device
+        dev = self.runner.device
         t0 = time.perf_counter()
         logits, _ = self.runner.forward(st.pending[active][:, None].to(dev), rows=torch.tensor(active, device=dev))
-        nxt = self._pick(process_logits(logits[:, 0], g.temperature, g.top_p, g.top_k), st)
+        nxt = self._token(logits[:, 0], st)
         dt = time.perf_counter() - t0
         for j, b in enumerate(active):
             st.emit(b, [int(nxt[j])], accepted=0, verify_s=dt)
@@ -108,7 +118,9 @@ class Engine:
         counts = [int(st.ctx[r][0].numel()) for r in active]
         doc = torch.tensor(active)  # each row is its own document in the shared drafter cache
 
-        def choose(draft_logits):
+        def choose(draft_logits):  # [..., Vd] -> (target ids [...], q [..., V], None at T=0: greedy needs no q)
+            if st.g.temperature <= 0 and self.ascending:  # the first max in draft order is the first in target order
+                return self.draft_ids[draft_logits.argmax(-1)], None
             q = self._q(draft_logits, st.g)
             return self._pick(q, st), q
         return d.propose(toks, hids, pos, counts, doc, st.g.num_speculative_tokens, st.cache, choose)
@@ -121,10 +133,10 @@ class Engine:
         start = self.runner.lengths[rows].clone()
         inp = torch.cat([st.pending[active][:, None], draft], 1).to(dev)  # [R, K+1]
         logits, aux = self.runner.forward(inp, rows=rows)
-        p = process_logits(logits, g.temperature, g.top_p, g.top_k)  # [R, K+1, V]
         if g.temperature <= 0:
-            n_acc, nxt = greedy_accept(draft, p.argmax(-1))
+            n_acc, nxt = greedy_accept(draft, self._token(logits, st))  # [R, K+1] argmax
         else:
+            p = process_logits(logits, g.temperature, g.top_p, g.top_k)  # [R, K+1, V]
             n_acc, nxt = rejection_accept(draft, q, p, st.gen)
         self.runner.set_lengths(rows, start + n_acc.to(dev) + 1)  # roll back the rejected drafts
         return n_acc, nxt, aux, start

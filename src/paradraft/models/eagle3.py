@@ -47,7 +47,7 @@ class Eagle3Drafter(DraftModel):
             drafts.append(x)
             qs.append(q)
         cache.truncate(keep)  # chain elements are speculative: only context slots stay
-        return torch.stack(drafts, 1), torch.stack(qs, 1)
+        return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs[0] is not None else None)  # q: None when greedy
 
     def train_forward(self, b: SlotBatch, ttt_steps: int, decay: float = 0.8):
         """Loss and per-step stats of one packed sequence, unrolled for `ttt_steps` steps.
