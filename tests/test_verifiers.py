@@ -180,23 +180,26 @@ def test_small_m_projections_equal_the_modules_and_respect_what_they_cannot_see(
 
 def test_small_m_path_is_measured_once_per_shape_and_can_be_forced(monkeypatch):
     """Which path a few rows take is measured on this CPU, once per (rows, weight shape, threads), and
-    $PARADRAFT_SMALL_M=on / off forces it: on gives exactly (W @ x^T)^T + b, off exactly the module."""
+    $PARADRAFT_SMALL_M=on / off forces it: on gives exactly (W @ x^T)^T + b, off exactly the module. With autograd
+    recording (training) the module always runs."""
     from torch import nn
 
     import paradraft.verifier.linear as L
 
     torch.manual_seed(0)
     lin, x = nn.Linear(64, 96), torch.randn(4, 64)
-    transposed = (lin.weight @ x.T).T + lin.bias  # [4, 96]
     monkeypatch.setenv(L.SMALL_M_ENV, "on")
-    assert torch.equal(L.linear(lin, x), transposed)
-    monkeypatch.setenv(L.SMALL_M_ENV, "off")
-    assert torch.equal(L.linear(lin, x), lin(x))
-    monkeypatch.delenv(L.SMALL_M_ENV)
-    calls, verdict = [], {4: True, 3: False}
-    monkeypatch.setattr(L, "_FASTER", {})
-    monkeypatch.setattr(L, "_measure", lambda w, rows: calls.append((tuple(w.shape), rows)) or verdict[rows])
-    for _ in range(3):
-        assert torch.equal(L.linear(lin, x), transposed)  # measured faster: transposed
-        assert torch.equal(L.linear(lin, x[:3]), lin(x[:3]))  # measured slower: the module
+    assert torch.is_grad_enabled() and torch.equal(L.linear(lin, x), lin(x))  # training: the module
+    with torch.no_grad():
+        transposed = (lin.weight @ x.T).T + lin.bias  # [4, 96]
+        assert torch.equal(L.linear(lin, x), transposed)
+        monkeypatch.setenv(L.SMALL_M_ENV, "off")
+        assert torch.equal(L.linear(lin, x), lin(x))
+        monkeypatch.delenv(L.SMALL_M_ENV)
+        calls, verdict = [], {4: True, 3: False}
+        monkeypatch.setattr(L, "_FASTER", {})
+        monkeypatch.setattr(L, "_measure", lambda w, rows: calls.append((tuple(w.shape), rows)) or verdict[rows])
+        for _ in range(3):
+            assert torch.equal(L.linear(lin, x), transposed)  # measured faster: transposed
+            assert torch.equal(L.linear(lin, x[:3]), lin(x[:3]))  # measured slower: the module
     assert calls == [((96, 64), 4), ((96, 64), 3)]  # once per shape

@@ -25,6 +25,7 @@ from torch import nn
 from ..config import ConfigError
 from ..data.vocab import draft_to_target_ids
 from ..verifier import default_aux_layers, flavour_of
+from ..verifier.linear import linear
 from .attention import Elements, attention
 
 
@@ -157,9 +158,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, elems: Elements, cache_kv, cache_elems: Elements | None, backend: str):
         # x [N, in]; cos/sin [N, hd]; cache_kv: (k, v) [1, KVH, M, hd] of earlier elements or None
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.nh, self.hd)
-        k = self.k_proj(x).view(n, self.nkv, self.hd)
-        v = self.v_proj(x).view(n, self.nkv, self.hd)
+        # projections through verifier.linear: drafting (a few rows, no gradient) gets its small-M rule
+        q = linear(self.q_proj, x).view(n, self.nh, self.hd)
+        k = linear(self.k_proj, x).view(n, self.nkv, self.hd)
+        v = linear(self.v_proj, x).view(n, self.nkv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         c, s = cos[:, None, :], sin[:, None, :]
@@ -173,7 +175,7 @@ class Attention(nn.Module):
             k_all, v_all, k_elems = k, v, elems
         out = attention(q, k_all, v_all, elems, k_elems, backend=backend, scale=1.0 / math.sqrt(self.hd))
         out = out.squeeze(0).transpose(0, 1).reshape(n, self.nh * self.hd)  # [N, H*hd]
-        return self.o_proj(out), (k, v)
+        return linear(self.o_proj, out), (k, v)
 
 
 class MLP(nn.Module):
@@ -184,7 +186,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
 
 
 class DecoderLayer(nn.Module):
@@ -330,7 +332,8 @@ class DraftModel(nn.Module):
 
         tokens [n], hidden [n, 3Hv], positions [n]: the new context slots of all rows, concatenated, counts[r] of
         them row r's; doc [R] row ids (documents in the shared cache). `choose(draft_logits [..., Vd])` returns
-        (tokens [...] target ids, q [..., V]), the engine's sampling rule. -> (draft [R, k], q [R, k, V]).
+        (tokens [...] target ids, q [..., V] or None at T=0), the engine's sampling rule. -> (draft [R, k],
+        q [R, k, V] or None).
         """
         raise NotImplementedError
 
@@ -376,7 +379,7 @@ class DraftModel(nn.Module):
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """3H verifier states go through fc; H-sized drafter states (EAGLE-3 feedback) pass as they are."""
-        return self.fc(hidden) if hidden.shape[-1] == 3 * self.cfg.verifier_hidden else hidden  # [N, H]
+        return linear(self.fc, hidden) if hidden.shape[-1] == 3 * self.cfg.verifier_hidden else hidden  # [N, H]
 
     def run_layers(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, elems: Elements,
                    cache: DraftCache | None = None) -> tuple[torch.Tensor, list]:
@@ -391,4 +394,4 @@ class DraftModel(nn.Module):
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits [N, Vd] from prenorm hidden states [N, H]."""
-        return self.lm_head(self.norm(prenorm))
+        return linear(self.lm_head, self.norm(prenorm))

@@ -8,7 +8,8 @@ than plain decoding. Which path is faster depends on the CPU, its BLAS and the s
 slower transposed), so the rule is measured, not assumed: the first time a (rows, weight shape, threads) is seen,
 both paths are timed on it (best of a few, ~ms) and the transposed one is kept only if it is >= 10% faster.
 $PARADRAFT_SMALL_M=on / off forces it for 2..16 rows (reproducing a run, or measuring the rule itself).
-Elsewhere (one row, many rows, bf16, a GPU, a Linear subclass or a module with hooks) the module runs as it is.
+The drafter's projections take the same rule when it drafts. Elsewhere (one row, many rows, bf16, a GPU, a
+Linear subclass, a module with hooks, or with autograd recording: training) the module runs as it is.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // max(1, x.shape[-1])
     if (type(module) is not nn.Linear or not 2 <= rows <= 16 or w.dtype != torch.float32 or x.dtype != w.dtype
             or w.device.type != "cpu" or module._forward_hooks or module._forward_pre_hooks
-            or not transposed_faster(w, rows)):
+            or torch.is_grad_enabled() or not transposed_faster(w, rows)):
         return module(x)
     y = (w @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], w.shape[0])  # [rows, out] -> [..., out]
     return y if module.bias is None else y + module.bias
