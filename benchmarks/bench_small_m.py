@@ -84,8 +84,10 @@ def main() -> None:
     runs = {}
     configs = [("plain", None, 0)] + [(route, route, k) for k in a.k for route in ROUTES]
     with torch.inference_mode():
-        for _ in range(a.repeats):
-            for name, route, k in configs:
+        for rep in range(a.repeats):
+            # odd repeats run the configurations in reverse order (A B C, C B A, ...), so neighbours in the order
+            # do not inherit each other's warm caches or a machine that slows down within a repeat
+            for name, route, k in (configs if rep % 2 == 0 else configs[::-1]):
                 engine = Engine(model, drafter if k else None, max_len=2048)
                 g = GenerationConfig(max_new_tokens=a.max_new_tokens, eos_token_ids=eos,
                                      num_speculative_tokens=max(k, 1))
