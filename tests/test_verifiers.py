@@ -203,3 +203,7 @@ def test_small_m_path_is_measured_once_per_shape_and_can_be_forced(monkeypatch):
             assert torch.equal(L.linear(lin, x), transposed)  # measured faster: transposed
             assert torch.equal(L.linear(lin, x[:3]), lin(x[:3]))  # measured slower: the module
     assert calls == [((96, 64), 4), ((96, 64), 3)]  # once per shape
+    state = torch.get_rng_state()
+    monkeypatch.undo()  # the real _measure again
+    L._measure(lin.weight.detach(), 4)  # timing a shape leaves the global RNG where it was
+    assert torch.equal(torch.get_rng_state(), state)

@@ -41,7 +41,7 @@ def transposed_faster(w: torch.Tensor, rows: int) -> bool:
 @torch.inference_mode()
 def _measure(w: torch.Tensor, rows: int, repeats: int = 5) -> bool:
     """Best-of-`repeats` wall time of both paths on a random x [rows, in], interleaved (the first round warms up)."""
-    x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+    x = torch.randn(rows, w.shape[1], dtype=w.dtype, generator=torch.Generator().manual_seed(0))  # global RNG untouched
     best = [math.inf, math.inf]  # F.linear, transposed
     for r in range(repeats + 1):
         for k in (0, 1):
