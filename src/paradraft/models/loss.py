@@ -37,6 +37,15 @@ class SlotBatch:
         return self.entropy
 
 
+def slot_valid(loss_mask: torch.Tensor) -> torch.Tensor:
+    """loss_mask [S] -> valid [S-1] bool: slot j (verifier position j + 1, which predicts x_{j+2}) trains iff
+    x_{j+2} is a trained token; the last slot has nothing to predict."""
+    S = int(loss_mask.shape[0])
+    valid = torch.zeros(S - 1, dtype=torch.bool, device=loss_mask.device)
+    valid[: S - 2] = loss_mask[2:].bool()
+    return valid
+
+
 def slots_from_sample(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden: torch.Tensor,
                       target_p: torch.Tensor, target_ids: torch.Tensor, doc_id: int = 0) -> SlotBatch:
     """Apply the EAGLE one-step shift to one sample of S tokens -> S-1 slots.
@@ -45,8 +54,7 @@ def slots_from_sample(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidd
     """
     S = int(input_ids.shape[0])
     j = torch.arange(S - 1)
-    valid = torch.zeros(S - 1, dtype=torch.bool)
-    valid[: S - 2] = loss_mask[2:].bool()
+    valid = slot_valid(loss_mask)
     return SlotBatch(tokens=input_ids[1:].long(), hidden=aux_hidden[: S - 1], positions=j + 1,
                      doc=torch.full((S - 1,), doc_id, dtype=torch.long), target_p=target_p[1:],
                      target_ids=target_ids[1:].long(), valid=valid)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..data.hidden_states import HiddenStates, OnlineHiddenStates
-from ..models.loss import SlotBatch, pack_slots, slots_from_sample
+from ..models.loss import SlotBatch, pack_slots, slot_valid, slots_from_sample
 from ..verifier import VerifierHead
 
 try:  # offline CPU training keeps up to 2 GiB of targets (~65k trained tokens at an 8k draft vocab), 1/8 of the RAM
@@ -90,21 +90,21 @@ class TargetHead:
         """Packed SlotBatch of samples (the EAGLE shift, verifier targets, document ids)."""
         parts = []
         for s in samples:
-            last = s["last"].to(self.device)  # [S, H]
-            tp, tid = self.targets(last, s["loss_mask"].bool().to(self.device), s.get("sample_index"))
-            parts.append(slots_from_sample(s["input_ids"].long().to(self.device), s["loss_mask"].bool().to(self.device),
+            last, mask = s["last"].to(self.device), s["loss_mask"].bool().to(self.device)  # [S, H], [S]
+            tp, tid = self.targets(last, mask, s.get("sample_index"))
+            parts.append(slots_from_sample(s["input_ids"].long().to(self.device), mask,
                                            s["aux"].to(self.device).float(), tp, tid))
         b = pack_slots(parts)
         return b
 
     def targets(self, last: torch.Tensor, loss_mask: torch.Tensor, key: int | None = None):
         """last [S, H], loss_mask [S] bool -> (target_p [S, Vd] float32, target_ids [S]) of one sample, computed
-        only at the positions a slot trains on: verifier position p predicts x_{p+1}, and its slot (p - 1, see
-        `slots_from_sample`) is valid iff x_{p+1} is a trained token. Every other row is zeros (never read: the
-        loss, accuracy and validation all select valid slots), which saves the lm_head over prompts and padding."""
+        only at the positions a slot trains on: verifier position p is slot p - 1 (`slot_valid`, the EAGLE shift).
+        Every other row is zeros (never read: the loss, accuracy and validation all select valid slots), which
+        saves the lm_head over prompts and padding."""
         S = last.shape[0]
         need = torch.zeros(S, dtype=torch.bool, device=last.device)  # [S]
-        need[1:S - 1] = loss_mask[2:]
+        need[1:] = slot_valid(loss_mask)
         hit = self.cache.get(key) if key is not None else None
         if hit is None:
             hit = self.head.targets(last[need], self.ids)  # [n, Vd], [n]
