@@ -6,7 +6,8 @@ same product computed as (W @ x^T)^T for 2..16 rows, measured on a 2-core AVX2 h
 "Small-M matmuls"): there a K=3 verification step cost 1.8x a decoding step, and speculative decoding ran slower
 than plain decoding. Which path is faster depends on the CPU, its BLAS and the shape (on that host 8 rows ran
 slower transposed), so the rule is measured, not assumed: the first time a (rows, weight shape, threads) is seen,
-both paths are timed on it (best of a few, ~ms) and the transposed one is kept only if it is >= 10% faster.
+both paths are timed on it, on weights read from memory as a forward reads them (~ms), and the transposed
+one is kept only if it is >= 10% faster.
 $PARADRAFT_SMALL_M=on / off forces it for 2..16 rows (reproducing a run, or measuring the rule itself).
 The drafter's projections take the same rule when it drafts. Elsewhere (one row, many rows, bf16, a GPU, a
 Linear subclass, a module with hooks, or with autograd recording: training) the module runs as it is.
@@ -39,16 +40,22 @@ def transposed_faster(w: torch.Tensor, rows: int) -> bool:
 
 
 @torch.inference_mode()
-def _measure(w: torch.Tensor, rows: int, repeats: int = 5) -> bool:
-    """Best-of-`repeats` wall time of both paths on a random x [rows, in], interleaved (the first round warms up)."""
+def _measure(w: torch.Tensor, rows: int, repeats: int = 5, cold_bytes: int = 64 << 20) -> bool:
+    """Best-of-`repeats` time of both paths on a random x [rows, in], interleaved (the first round warms up), each
+    sample a pass over copies of w that together exceed the CPU caches (>= `cold_bytes`). A model's forward reads
+    each weight once per step, from memory: timing one hot weight again and again chose F.linear for SmolLM2's
+    small projections in some processes, and those processes verified K=3 drafts ~25% slower (BENCHMARKS.md,
+    "Small-M matmuls")."""
     x = torch.randn(rows, w.shape[1], dtype=w.dtype, generator=torch.Generator().manual_seed(0))  # global RNG untouched
+    ws = [w] + [w.clone() for _ in range(min(63, cold_bytes // max(1, w.numel() * w.element_size())))]
     best = [math.inf, math.inf]  # F.linear, transposed
     for r in range(repeats + 1):
-        for k in (0, 1):
+        for k in ((0, 1) if r % 2 == 0 else (1, 0)):  # alternate which path runs first
             t0 = time.perf_counter()
-            _ = F.linear(x, w) if k == 0 else (w @ x.T).T
+            for wc in ws:
+                _ = F.linear(x, wc) if k == 0 else (wc @ x.T).T
             if r:
-                best[k] = min(best[k], time.perf_counter() - t0)
+                best[k] = min(best[k], (time.perf_counter() - t0) / len(ws))
     return best[1] < 0.9 * best[0]
 
 
