@@ -63,6 +63,20 @@ def test_runner_equals_full_forward_after_rollback(verifier):
     torch.testing.assert_close(aux[0], ref_aux, atol=1e-4, rtol=1e-4)
 
 
+def test_prefill_logits_of_the_last_position_only(verifier):
+    """last_only (the engine's prefill) gives the last row of the full logits, the same aux states and lengths."""
+    _, model = verifier
+    p = torch.tensor([prompts(1, seed=6)[0] * 2])  # [1, n], longer than GPT-OSS's window
+    full, last = (make_runner(model, [2, 4, 5], max_batch=2, max_len=64) for _ in range(2))
+    rows = torch.tensor([1])
+    ref_logits, ref_aux = full.forward(p, rows=rows)
+    logits, aux = last.forward(p, rows=rows, last_only=True)
+    assert logits.shape == (1, 1, ref_logits.shape[-1]) and aux.shape == ref_aux.shape
+    torch.testing.assert_close(logits[:, 0], ref_logits[:, -1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(aux, ref_aux)
+    assert int(last.lengths[1]) == int(full.lengths[1]) == p.shape[1]
+
+
 @pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
 def test_greedy_speculative_equals_hf_generate(verifier, algorithm):
     _, model = verifier

@@ -93,7 +93,8 @@ class Engine:
             if len(p) + g.max_new_tokens + g.num_speculative_tokens + 1 > self.runner.max_len:
                 raise GenerationError(f"prompt {b} of {len(p)} tokens + {g.max_new_tokens} new tokens exceeds the "
                                       f"KV cache ({self.runner.max_len} tokens, --max-len)")
-            logits, aux = self.runner.forward(torch.tensor([p], device=dev), rows=torch.tensor([b], device=dev))
+            logits, aux = self.runner.forward(torch.tensor([p], device=dev), rows=torch.tensor([b], device=dev),
+                                              last_only=True)  # [1, 1, V]: only the last position's logits
             x = int(self._token(logits[0, -1], st))
             st.emit(b, [x], accepted=None)
             if self.drafter is not None:

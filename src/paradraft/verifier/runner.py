@@ -10,7 +10,9 @@ the accepted prefix is never recomputed.
 `GenericRunner` serves any other tappable decoder-only model through Hugging Face's own forward, one cache per
 row (rollback = crop), with the aux states from `output_hidden_states`: slower, the same tokens.
 
-Both: forward(tokens [B', n], rows) -> (logits [B', n, V] float32, aux [B', n, len(aux) * H]); set_lengths.
+Both: forward(tokens [B', n], rows, last_only) -> (logits [B', n or 1, V] float32, aux [B', n, len(aux) * H]);
+set_lengths. `last_only` computes the logits of the last position only (a prefill needs no others: the lm_head over
+every prompt position is ~20% of a SmolLM2 prefill); the same numbers as that row of the full logits.
 """
 
 from __future__ import annotations
@@ -59,10 +61,10 @@ class VerifierRunner:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, rows: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, rows: torch.Tensor | None = None, last_only: bool = False):
         """Feed tokens [B', n] to rows (default all) at their current lengths; lengths advance by n.
 
-        -> (logits [B', n, V] float32, aux hidden [B', n, len(aux) * H]).
+        -> (logits [B', n, V] float32, or [B', 1, V] with last_only, aux hidden [B', n, len(aux) * H]).
         """
         Bq, n = tokens.shape
         if rows is None:
@@ -106,7 +108,8 @@ class VerifierRunner:
             h = h + linear(attn.o_proj, o.transpose(1, 2).reshape(Bq, n, self.nh * self.hd))
             m = mlp(layer.mlp, layer.post_attention_layernorm(h))
             h = h + (m[0] if isinstance(m, tuple) else m)  # MoE blocks may also return router scores
-        logits = self.adapter.logits(self.model, self.adapter.final_norm(self.model)(h)).float()
+        last = h[:, -1:] if last_only else h  # [B', 1 or n, H]
+        logits = self.adapter.logits(self.model, self.adapter.final_norm(self.model)(last)).float()
         self.lengths[rows] = start + n
         aux = torch.cat([dict(auxes)[i] for i in self.aux], dim=-1) if self.aux else h.new_zeros(Bq, n, 0)
         return logits, aux
@@ -160,7 +163,7 @@ class GenericRunner:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, rows: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, rows: torch.Tensor | None = None, last_only: bool = False):
         Bq, n = tokens.shape
         rows = torch.arange(Bq, device=self.device) if rows is None else rows
         if int(self.lengths[rows].max()) + n > self.max_len:
@@ -170,7 +173,8 @@ class GenericRunner:
             start = int(self.lengths[r])
             pos = torch.arange(start, start + n, device=self.device)[None]
             out = self.model(input_ids=tokens[j:j + 1], past_key_values=self.caches[r], position_ids=pos,
-                             use_cache=True, output_hidden_states=bool(self.aux))
+                             use_cache=True, output_hidden_states=bool(self.aux),
+                             **({"logits_to_keep": 1} if last_only else {}))
             logits.append(out.logits.float())
             if self.aux:
                 auxes.append(torch.cat([out.hidden_states[i] for i in self.aux], -1))
