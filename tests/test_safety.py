@@ -434,7 +434,7 @@ BAD = [  # (argv, exit code, text the one-line message must hold)
     (["vocab", "-o", "v.json"], 1, "must end in .safetensors"),
     (["export"], 1, "usage: paradraft export DRAFTER --output OUT"),
     (["export", "{tmp}/nothing", "-o", "{tmp}/e"], 1, "is not a drafter checkpoint"),
-    (["quickstart", "--num-depths", "3"], 1, "each K must be <="),
+    (["quickstart", "--num-depths", "2", "-o", "{tmp}/qs"], 1, "each K must be <="),  # the default K is 3
     (["train", "--config", "{tmp}/missing.yaml", "--online"], 1, "config file not found"),
     (["generate", "--prompt", "x", "--verifier", "/nonexistent/model"], 1, "/nonexistent/model"),
 ]
