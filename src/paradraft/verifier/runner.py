@@ -12,7 +12,7 @@ row (rollback = crop), with the aux states from `output_hidden_states`: slower, 
 
 Both: forward(tokens [B', n], rows, last_only) -> (logits [B', n or 1, V] float32, aux [B', n, len(aux) * H]);
 set_lengths. `last_only` computes the logits of the last position only (a prefill needs no others: the lm_head over
-every prompt position is ~20% of a SmolLM2 prefill); the same numbers as that row of the full logits.
+every prompt position is ~20% of a SmolLM2 prefill); that row of the full logits, up to float rounding.
 """
 
 from __future__ import annotations
