@@ -75,6 +75,10 @@ SETTINGS = {
     "seed 1": {"seed": 1},
     "seed 2": {"seed": 2},
     "muon, seed 1": {"optimizer": "muon", "seed": 1},
+    # only the depths the quickstart's K=3 drafts read (COD's elements per anchor 1 + 0.7 + 0.49 instead of ~3.4)
+    "3 depths": {"num_depths": 3},
+    "3 depths, seed 1": {"num_depths": 3, "seed": 1},
+    "3 depths, seed 2": {"num_depths": 3, "seed": 2},
     # speculators' P-EAGLE trainer defaults that paradraft can serve in vLLM (its Qwen3-style draft layer for a
     # Llama verifier is not one vLLM's Llama EAGLE-3 model loads)
     "speculators defaults (norm before residual, linear lr)": {"norm_before_residual": True,

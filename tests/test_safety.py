@@ -281,6 +281,19 @@ def test_recipes_check_their_flags(tmp_path):
                                 "TrainConfig; did you mean 'max_steps'?")
 
 
+def test_quickstart_trains_the_depths_its_drafts_read(tmp_path):
+    from paradraft.config import QuickstartConfig
+    from paradraft.quickstart import quickstart_steps
+
+    def depths(**kw):
+        cfg = QuickstartConfig(output=str(tmp_path / "qs"), **kw)
+        return dict(quickstart_steps(cfg))["train"].num_depths
+
+    assert depths() == 3  # the default K=3 reads depths 0..2: the others cost time and scored lower (BENCHMARKS.md)
+    assert depths(num_speculative_tokens=[3, 7]) == 7
+    assert depths(num_depths=5) == 5
+
+
 def test_a_recipe_pauses_at_the_time_limit_and_the_same_command_continues(world, tmp_path):
     tmp, _ = world
     rec = tmp_path / "r.yaml"

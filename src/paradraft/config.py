@@ -520,7 +520,8 @@ class QuickstartConfig(Checked):
     seq_length: int = opt(512, help="tokens per training sample", ge=2)
     draft_vocab_size: int = opt(8192, help="draft vocabulary size", ge=1)
     max_steps: int = opt(120, help="training steps", ge=1)
-    num_depths: int = opt(7, help="P-EAGLE prediction depths (K=7 drafts need depths 0..6)", ge=1)
+    num_depths: int | None = opt(None, help="P-EAGLE prediction depths trained (default: the largest K benchmarked; "
+                                 "depths no draft reads cost training time and score no higher)", ge=1)
     bench_prompts: int = opt(6, help="held-out prompts benchmarked", ge=1)
     bench_tokens: int = opt(96, help="new tokens per benchmark prompt", ge=1)
     bench_repeats: int = opt(3, help="benchmark repeats, plain and speculative interleaved; speeds are medians",
@@ -530,6 +531,10 @@ class QuickstartConfig(Checked):
     seed: int = opt(0, help="seed")
 
     def check(self) -> None:
-        if not self.num_speculative_tokens or max(self.num_speculative_tokens) > self.num_depths:
+        if not self.num_speculative_tokens or max(self.num_speculative_tokens) > self.depths():
             raise ConfigError(f"--num-speculative-tokens {self.num_speculative_tokens}: each K must be <= "
                               f"--num-depths {self.num_depths}")
+
+    def depths(self) -> int:
+        """The P-EAGLE depths trained: --num-depths, or the largest K benchmarked."""
+        return self.num_depths or max(self.num_speculative_tokens, default=1)

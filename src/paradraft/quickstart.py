@@ -28,7 +28,7 @@ def quickstart_steps(cfg: QuickstartConfig) -> list[tuple[str, object]]:
         ("extract", ExtractConfig(data=str(data_dir), output=str(hs_dir), batch_tokens=4096, samples_per_shard=128)),
         ("train", TrainConfig(algorithm="peagle", data=str(data_dir), hidden_states=str(hs_dir),
                               output=str(run / "peagle"), verifier=cfg.verifier, draft_vocab_size=cfg.draft_vocab_size,
-                              num_depths=cfg.num_depths, max_steps=cfg.max_steps, batch_tokens=2048, lr=1e-3,
+                              num_depths=cfg.depths(), max_steps=cfg.max_steps, batch_tokens=2048, lr=1e-3,
                               warmup_steps=10, save_every=100, seed=cfg.seed, val_samples=16,
                               num_speculative_tokens=max(cfg.num_speculative_tokens),
                               # equal depth weights: at this budget (39k tokens) depth decay 0.7 measured no
