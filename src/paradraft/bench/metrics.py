@@ -13,3 +13,10 @@ def tokens_per_s(runs: list[dict]) -> float:
 def speedup_per_repeat(runs: list[dict], plain: list[dict]) -> list[float]:
     """Each repeat's tokens/s over that of the plain run of the same repeat (interleaved, so paired)."""
     return [(r["tokens"] / r["wall_s"]) / (p["tokens"] / p["wall_s"]) for r, p in zip(runs, plain)]
+
+
+def speedup(runs: list[dict], plain: list[dict]) -> float:
+    """The median of the paired per-repeat speedups: each ratio compares two runs made side by side, so a slow
+    phase of the machine hits both. (The ratio of the two median speeds pairs runs of different repeats: on a
+    noisy host it can lie above every repeat but one.)"""
+    return statistics.median(speedup_per_repeat(runs, plain))

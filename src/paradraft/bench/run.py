@@ -5,7 +5,7 @@ Metrics (one definition, here):
                           (the +1 is the verifier's own bonus / correction token); 1 <= AL <= K + 1
   per_position_acceptance [K]: fraction of verifier passes in which draft position i (1-based) was accepted
   tokens_per_s            new tokens / wall time (prefill included), median over --repeats (interleaved runs)
-  speedup                 tokens_per_s / tokens_per_s of plain decoding in the same run
+  speedup                 median of speedup_per_repeat (1.0 for plain decoding)
   speedup_per_repeat      [repeats]: each repeat's tokens/s over the plain run of the same repeat (the spread says
                           how noisy the machine was; runs are interleaved, so slow phases hit both sides)
   draft_fraction          drafting time / (drafting + verifying) in the speculative loop
@@ -37,7 +37,7 @@ from ..outputs import check_writable
 from ..utils import engine_dtype, fingerprint, read_json, sha256_file, write_json
 from ..verifier import load_tokenizer, load_verifier
 from ..vllm_driver import find_vllm_python
-from .metrics import speedup_per_repeat, tokens_per_s
+from .metrics import speedup, speedup_per_repeat, tokens_per_s
 from .vllm import bench_vllm
 
 
@@ -188,7 +188,6 @@ def bench(cfg: BenchConfig) -> dict:
             bar.update(1)
     bar.close()
     plain_rs = runs[("plain", None, 0)]
-    plain_tps = tokens_per_s(plain_rs)
     results = []
     for m, path, _d, k in methods:
         rs = runs[(m, path, k)]
@@ -199,7 +198,7 @@ def bench(cfg: BenchConfig) -> dict:
         results.append({
             "method": m, "drafter": path, "k": k,
             "acceptance_length": float(np.mean([r["acceptance_length"] for r in rs])) if m != "plain" else 1.0,
-            "per_position_acceptance": per_pos, "tokens_per_s": tps, "speedup": tps / plain_tps,
+            "per_position_acceptance": per_pos, "tokens_per_s": tps, "speedup": speedup(rs, plain_rs),
             "speedup_per_repeat": speedup_per_repeat(rs, plain_rs),
             "draft_fraction": ds / (ds + vs) if ds + vs > 0 and m != "plain" else None,
             "tokens": int(np.median([r["tokens"] for r in rs])),
