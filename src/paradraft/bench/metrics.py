@@ -19,4 +19,9 @@ def speedup(runs: list[dict], plain: list[dict]) -> float:
     """The median of the paired per-repeat speedups: each ratio compares two runs made side by side, so a slow
     phase of the machine hits both. (The ratio of the two median speeds pairs runs of different repeats: on a
     noisy host it can lie above every repeat but one.)"""
-    return statistics.median(speedup_per_repeat(runs, plain))
+    return median_speedup(speedup_per_repeat(runs, plain))
+
+
+def median_speedup(per_repeat: list[float]) -> float:
+    """A bench row's `speedup` from its `speedup_per_repeat`."""
+    return statistics.median(per_repeat)
