@@ -79,6 +79,10 @@ SETTINGS = {
     "3 depths": {"num_depths": 3},
     "3 depths, seed 1": {"num_depths": 3, "seed": 1},
     "3 depths, seed 2": {"num_depths": 3, "seed": 2},
+    # ... with depth 0 weighted as the reference trainer's element mean and 512-anchor cap weigh it (~54%)
+    "3 depths, decay 0.5": {"num_depths": 3, "loss_decay": 0.5},
+    "3 depths, decay 0.5, seed 1": {"num_depths": 3, "loss_decay": 0.5, "seed": 1},
+    "3 depths, decay 0.5, seed 2": {"num_depths": 3, "loss_decay": 0.5, "seed": 2},
     # speculators' P-EAGLE trainer defaults that paradraft can serve in vLLM (its Qwen3-style draft layer for a
     # Llama verifier is not one vLLM's Llama EAGLE-3 model loads)
     "speculators defaults (norm before residual, linear lr)": {"norm_before_residual": True,
