@@ -37,7 +37,7 @@ from ..outputs import check_writable
 from ..utils import engine_dtype, fingerprint, read_json, sha256_file, write_json
 from ..verifier import load_tokenizer, load_verifier
 from ..vllm_driver import find_vllm_python
-from .metrics import speedup, speedup_per_repeat, tokens_per_s
+from .metrics import median_speedup, speedup, speedup_per_repeat, tokens_per_s
 from .vllm import bench_vllm
 
 
@@ -139,8 +139,11 @@ def bench(cfg: BenchConfig) -> dict:
             old = {}
         if old.get("identity") == identity:
             print(f"[bench] {cfg.output} already holds this benchmark (same flags, prompts and drafters); reusing it")
+            redefined = _paired_speedups(old)
+            if redefined:  # written before speedup was the median of the paired repeats: the file says it now
+                write_json(cfg.output, old)
             print(format_table(old))
-            if cfg.plot and not Path(cfg.plot).is_file():
+            if cfg.plot and (redefined or not Path(cfg.plot).is_file()):
                 plot_results(old, cfg.plot)
             return old
     if cfg.engine == "vllm":
@@ -208,6 +211,18 @@ def bench(cfg: BenchConfig) -> dict:
             "wall_s": float(np.median([r["wall_s"] for r in rs])),
         })
     return _finish(cfg, identity, prompts, results, threads=torch.get_num_threads(), extra={"engine": "paradraft"})
+
+
+def _paired_speedups(out: dict) -> bool:
+    """Set each row's `speedup` from its `speedup_per_repeat` (results written before 2026-12-03 hold the ratio of
+    two medians there); whether any row changed."""
+    changed = False
+    for r in out.get("results", []):
+        if r.get("speedup_per_repeat"):
+            new = median_speedup(r["speedup_per_repeat"])
+            changed |= new != r.get("speedup")
+            r["speedup"] = new
+    return changed
 
 
 def _finish(cfg: BenchConfig, identity: str, prompts, results: list, threads, extra: dict) -> dict:
