@@ -533,7 +533,7 @@ class QuickstartConfig(Checked):
     def check(self) -> None:
         if not self.num_speculative_tokens or max(self.num_speculative_tokens) > self.depths():
             raise ConfigError(f"--num-speculative-tokens {self.num_speculative_tokens}: each K must be <= "
-                              f"--num-depths {self.num_depths}")
+                              f"--num-depths {self.depths()}")
 
     def depths(self) -> int:
         """The P-EAGLE depths trained: --num-depths, or the largest K benchmarked."""

@@ -31,8 +31,9 @@ def quickstart_steps(cfg: QuickstartConfig) -> list[tuple[str, object]]:
                               num_depths=cfg.depths(), max_steps=cfg.max_steps, batch_tokens=2048, lr=1e-3,
                               warmup_steps=10, save_every=100, seed=cfg.seed, val_samples=16,
                               num_speculative_tokens=max(cfg.num_speculative_tokens),
-                              # equal depth weights: at this budget (39k tokens) depth decay 0.7 measured no
-                              # better (BENCHMARKS.md, "Levers, measured at the quickstart's budget")
+                              # equal depth weights: at this budget (25-39k tokens) depth decay 0.7 over 7
+                              # depths and 0.5 over 3 measured no better (BENCHMARKS.md, "Levers, measured at the
+                              # quickstart's budget", "Training only the depths K=3 reads")
                               loss_decay=1.0)),
         ("bench", BenchConfig(verifier=cfg.verifier, drafter=[str(run / "peagle")], dataset="sharegpt-val",
                               data=str(data_dir), num_prompts=cfg.bench_prompts, max_new_tokens=cfg.bench_tokens,
