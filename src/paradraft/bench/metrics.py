@@ -15,13 +15,8 @@ def speedup_per_repeat(runs: list[dict], plain: list[dict]) -> list[float]:
     return [(r["tokens"] / r["wall_s"]) / (p["tokens"] / p["wall_s"]) for r, p in zip(runs, plain)]
 
 
-def speedup(runs: list[dict], plain: list[dict]) -> float:
-    """The median of the paired per-repeat speedups: each ratio compares two runs made side by side, so a slow
-    phase of the machine hits both. (The ratio of the two median speeds pairs runs of different repeats: on a
-    noisy host it can lie above every repeat but one.)"""
-    return median_speedup(speedup_per_repeat(runs, plain))
-
-
 def median_speedup(per_repeat: list[float]) -> float:
-    """A bench row's `speedup` from its `speedup_per_repeat`."""
+    """A bench row's `speedup` from its `speedup_per_repeat`: the median of the paired ratios, each comparing two
+    runs made side by side, so a slow phase of the machine hits both. (The ratio of the two median speeds pairs runs
+    of different repeats: on a noisy host it can lie above every repeat but one.)"""
     return statistics.median(per_repeat)

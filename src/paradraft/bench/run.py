@@ -37,7 +37,7 @@ from ..outputs import check_writable
 from ..utils import engine_dtype, fingerprint, read_json, sha256_file, write_json
 from ..verifier import load_tokenizer, load_verifier
 from ..vllm_driver import find_vllm_python
-from .metrics import median_speedup, speedup, speedup_per_repeat, tokens_per_s
+from .metrics import median_speedup, speedup_per_repeat, tokens_per_s
 from .vllm import bench_vllm
 
 
@@ -194,15 +194,15 @@ def bench(cfg: BenchConfig) -> dict:
     results = []
     for m, path, _d, k in methods:
         rs = runs[(m, path, k)]
-        tps = tokens_per_s(rs)
+        tps, per = tokens_per_s(rs), speedup_per_repeat(rs, plain_rs)
         acc = [a for r in rs for a in (r["accepted"] or [])]
         per_pos = [float(np.mean([a >= i for a in acc])) for i in range(1, k + 1)] if acc else None
         ds, vs = sum(r["draft_s"] for r in rs), sum(r["verify_s"] for r in rs)
         results.append({
             "method": m, "drafter": path, "k": k,
             "acceptance_length": float(np.mean([r["acceptance_length"] for r in rs])) if m != "plain" else 1.0,
-            "per_position_acceptance": per_pos, "tokens_per_s": tps, "speedup": speedup(rs, plain_rs),
-            "speedup_per_repeat": speedup_per_repeat(rs, plain_rs),
+            "per_position_acceptance": per_pos, "tokens_per_s": tps, "speedup": median_speedup(per),
+            "speedup_per_repeat": per,
             "draft_fraction": ds / (ds + vs) if ds + vs > 0 and m != "plain" else None,
             "tokens": int(np.median([r["tokens"] for r in rs])),
             "output_digest": rs[0].get("output_digest"),

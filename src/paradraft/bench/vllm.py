@@ -20,7 +20,7 @@ from ..models.checkpoint import load_drafter
 from ..utils import fingerprint
 from ..verifier import resolve_verifier
 from ..vllm_driver import VllmEngine, engine_args
-from .metrics import speedup, speedup_per_repeat, tokens_per_s
+from .metrics import median_speedup, speedup_per_repeat, tokens_per_s
 
 PROMPT_LOOKUP_NGRAM = 2  # longest n-gram matched, as Hugging Face's prompt lookup (max_matching_ngram_size)
 
@@ -92,11 +92,11 @@ def bench_vllm(cfg: BenchConfig, prompts: list[list[int]], eos: list[int], log_d
         accepted = sum(r["num_accepted"] for r in runs)
         per_pos = [sum(r["accepted_per_pos"][i] for r in runs if len(r["accepted_per_pos"]) > i) / drafts
                    for i in range(k)] if drafts else None
-        tps = tokens_per_s(runs)
+        tps, per = tokens_per_s(runs), speedup_per_repeat(runs, paired)
         rows.append({"method": algo, "drafter": path, "k": k,
                      "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
-                     "per_position_acceptance": per_pos, "tokens_per_s": tps, "speedup": speedup(runs, paired),
-                     "speedup_per_repeat": speedup_per_repeat(runs, paired),
+                     "per_position_acceptance": per_pos, "tokens_per_s": tps, "speedup": median_speedup(per),
+                     "speedup_per_repeat": per,
                      "draft_fraction": None, "tokens": int(statistics.median(r["tokens"] for r in runs)),
                      "output_digest": runs[0]["output_digest"],
                      "passes": int(statistics.median(r["passes"] for r in runs)),
