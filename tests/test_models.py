@@ -349,3 +349,34 @@ def test_a_pack_with_nothing_to_train_still_backpropagates():
     loss, stats = depth_reduce(kl, trained, correct, valid, depth, 1)
     loss.backward()
     assert float(loss) == 0.0 and torch.count_nonzero(logits.grad) == 0 and stats["acc"] == [0.0]
+
+
+def test_train_out_of_vocab_trains_positions_outside_the_draft_vocabulary_and_scores_them_wrong():
+    """--train-out-of-vocab: positions whose verifier argmax is outside the draft vocabulary train on the target
+    renormalized over the draft vocabulary (the reference's loss); by default they get no loss. Either way they count
+    as wrong, and both algorithms pass the flag from the config to the loss."""
+    from paradraft.config import TrainConfig
+    from paradraft.models.eagle3 import Eagle3Drafter
+    from paradraft.models.loss import SlotBatch, draft_loss
+    from paradraft.models.peagle import PEagleDrafter
+
+    g = torch.Generator().manual_seed(0)
+    T, Vd, V = 4, 3, 6
+    d2t = torch.zeros(Vd, dtype=torch.long)  # draft id i is target id i
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[:Vd] = True
+    b = SlotBatch(tokens=torch.zeros(T, dtype=torch.long), hidden=torch.zeros(T, 3), positions=torch.arange(T),
+                  doc=torch.zeros(T, dtype=torch.long), target_p=torch.softmax(torch.randn(T, Vd, generator=g), -1),
+                  target_ids=torch.tensor([0, 4, 1, 5]), valid=torch.ones(T, dtype=torch.bool))
+    logits = torch.randn(T, Vd, generator=g)
+    logits[0, 0] = logits[2, 1] = 10.0  # the in-vocabulary positions are right
+    rows = torch.arange(T)
+    kl, trained, correct = draft_loss(logits, b, rows, b.valid, d2t, t2d)
+    assert trained.tolist() == [True, False, True, False] and float(kl[1]) == float(kl[3]) == 0.0
+    kl2, trained2, correct2 = draft_loss(logits, b, rows, b.valid, d2t, t2d, out_of_vocab=True)
+    assert trained2.all() and (kl2[[1, 3]] > 0).all() and torch.equal(kl2[[0, 2]], kl[[0, 2]])
+    assert correct.tolist() == correct2.tolist() == [True, False, True, False]
+    for algo, extra in ((PEagleDrafter, {"num_depths": 3}), (Eagle3Drafter, {})):
+        for flag in (False, True):
+            cfg = TrainConfig(algorithm=algo.algorithm, online=True, train_out_of_vocab=flag, **extra)
+            assert algo.train_args(cfg)["out_of_vocab"] is flag

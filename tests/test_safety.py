@@ -529,3 +529,45 @@ def test_epochs_default_change_reuses_max_steps_runs_and_continues_epoch_runs(wo
     assert run_cli(capsys, *by_epochs, "--resume")[0] == 0
     steps = [json.loads(x)["step"] for x in (tmp_path / "by-epochs" / "metrics.jsonl").read_text().splitlines()]
     assert one_pass[-1] >= 2 and steps[-1] == 2 * one_pass[-1] and steps[:len(one_pass)] == one_pass
+
+
+def test_a_run_finished_before_adam_beta2_existed_is_reused_and_the_flag_reaches_adamw(world, tmp_path, capsys):
+    """--adam-beta2 and --train-out-of-vocab came after runs were finished without them (they ran with 0.95 and
+    without out-of-vocabulary loss, the defaults): such a run is still reused as finished, a run with another beta2
+    is another run, and the value reaches AdamW in both optimizers."""
+    import dataclasses
+
+    from paradraft.config import TrainConfig, config_to_dict
+    from paradraft.train.trainer import IDENTITY_IGNORES, LATER_FLAGS, build_optimizer, train_identity
+    from paradraft.utils import fingerprint
+
+    tmp, _ = world
+    run = tmp_path / "run"
+    assert run_cli(capsys, *train_args(tmp, run))[0] == 0
+    prov = json.loads((run / "provenance.json").read_text())
+    cfg = TrainConfig(**prov["train_config"])
+    assert cfg.adam_beta2 == 0.95
+    assert set(LATER_FLAGS) == {"adam_beta2", "train_out_of_vocab"}
+    # the identity the code before the flags wrote: every flag but IDENTITY_IGNORES, and neither of them
+    kept = {k: v for k, v in config_to_dict(cfg).items() if k not in IDENTITY_IGNORES and k not in LATER_FLAGS}
+    kept.update(autocast=prov["final"]["autocast"], verifier_dtype=prov["final"]["verifier_dtype"])
+    prov["train_identity"] = fingerprint({"config": kept, "data": prov["data_identity"]})
+    for k in LATER_FLAGS:
+        prov["train_config"].pop(k)
+    (run / "provenance.json").write_text(json.dumps(prov))
+    rc, out, _ = run_cli(capsys, *train_args(tmp, run))
+    assert rc == 0 and "reusing it" in out
+    dtypes = (prov["final"]["autocast"], prov["final"]["verifier_dtype"])
+    assert train_identity(cfg, prov["data_identity"], *dtypes) == prov["train_identity"]  # at the pre-flag values
+    for other in ({"adam_beta2": 0.999}, {"train_out_of_vocab": True}):
+        assert train_identity(dataclasses.replace(cfg, **other), prov["data_identity"], *dtypes) \
+            != prov["train_identity"], other
+    rc, _, err = run_cli(capsys, *train_args(tmp, run, "--adam-beta2", "0.999"))  # another run: never replaced
+    assert rc == 1 and "--overwrite" in err
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    for optimizer in ("adamw", "muon"):
+        opt = build_optimizer(model, dataclasses.replace(cfg, optimizer=optimizer, adam_beta2=0.999))
+        adam = [g for g in opt.param_groups if "betas" in g]
+        assert adam and all(g["betas"] == (0.9, 0.999) for g in adam), optimizer
+    rc, _, err = run_cli(capsys, *train_args(tmp, tmp_path / "bad", "--adam-beta2", "1"))
+    assert rc == 1 and "--adam-beta2" in err and len(err.strip().splitlines()) == 1

@@ -364,6 +364,10 @@ class TrainConfig(Checked):
     loss_decay: float | None = opt(None, help="depth d (P-EAGLE) / TTT step d (EAGLE-3) weighted decay^d in the "
                                    "loss (default: 0.3 P-EAGLE, 0.8 EAGLE-3; 1 weights every depth equally)",
                                    gt=0)
+    train_out_of_vocab: bool = opt(False, help="also train the positions whose verifier argmax lies outside the draft "
+                                   "vocabulary, on the verifier's distribution renormalized over the draft vocabulary "
+                                   "(the reference trainer's loss); default: no loss there, as the drafter can never "
+                                   "propose that token")
     init_norm: str = opt("ones", help="drafter final norm starts as ones or as the verifier's final norm (measured "
                          "equal on the embedded verifier)", choices=["ones", "verifier"])
     mask_hidden_init: str = opt("normal", help="P-EAGLE: mask_hidden starts as N(0, 0.02) noise, as zeros (then "
@@ -384,6 +388,8 @@ class TrainConfig(Checked):
     muon_lr: float | None = opt(None, help="--optimizer muon: peak learning rate of the Muon group (default: --lr; "
                                 "its update RMS matches AdamW's, so the same rate applies)", gt=0)
     weight_decay: float = opt(0.0, help="AdamW weight decay", ge=0)
+    adam_beta2: float = opt(0.95, help="AdamW's second-moment decay (beta2; the reference trainer keeps torch's "
+                            "0.999)", gt=0, lt=1)
     muon_weight_decay: float = opt(0.1, help="--optimizer muon: decoupled weight decay of the Muon group", ge=0)
     warmup_steps: int = opt(20, help="linear warmup steps, then --lr-schedule", ge=0)
     lr_schedule: str = opt("cosine", help="after warmup: cosine decay to 10% of --lr, linear decay to 0, or "

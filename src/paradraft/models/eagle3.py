@@ -27,7 +27,7 @@ class Eagle3Drafter(DraftModel):
     # ---- the drafter protocol (common.py)
     @classmethod
     def train_args(cls, cfg) -> dict:
-        return {"ttt_steps": cfg.ttt_steps, "loss_decay": cfg.loss_decay}
+        return {"ttt_steps": cfg.ttt_steps, "loss_decay": cfg.loss_decay, "out_of_vocab": cfg.train_out_of_vocab}
 
     @classmethod
     def scored_depths(cls, cfg) -> int:
@@ -49,7 +49,7 @@ class Eagle3Drafter(DraftModel):
         cache.truncate(keep)  # chain elements are speculative: only context slots stay
         return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs[0] is not None else None)  # q: None when greedy
 
-    def train_forward(self, b: SlotBatch, ttt_steps: int, decay: float = 0.8):
+    def train_forward(self, b: SlotBatch, ttt_steps: int, decay: float = 0.8, out_of_vocab: bool = False):
         """Loss and per-step stats of one packed sequence, unrolled for `ttt_steps` steps.
 
         Returns (loss, stats, [logits of step s [n_s, Vd]], [anchors of step s [n_s]]).
@@ -77,7 +77,7 @@ class Eagle3Drafter(DraftModel):
             cache.append(kv, elems)
             logits = self.logits(h)
             tgt = anchors + s
-            kl, tr, cor = draft_loss(logits, b, tgt, b.valid[tgt], self.d2t, self.t2d)
+            kl, tr, cor = draft_loss(logits, b, tgt, b.valid[tgt], self.d2t, self.t2d, out_of_vocab)
             for lst, v in zip((all_kl, all_tr, all_cor, all_val, all_dep), (kl, tr, cor, b.valid[tgt], depth)):
                 lst.append(v)
             logits_out.append(logits)
@@ -91,9 +91,9 @@ class Eagle3Drafter(DraftModel):
         return loss, stats, logits_out, anchors_out
 
     def forward(self, b: SlotBatch, generator: torch.Generator | None = None, ttt_steps: int = 3,
-                loss_decay: float = 0.8, **_):
+                loss_decay: float = 0.8, out_of_vocab: bool = False, **_):
         """Training loss and stats (what the generic trainer calls; DDP needs it to be `forward`)."""
-        loss, stats, _, _ = self.train_forward(b, ttt_steps, loss_decay)
+        loss, stats, _, _ = self.train_forward(b, ttt_steps, loss_decay, out_of_vocab)
         return loss, stats
 
     def context_step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

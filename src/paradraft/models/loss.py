@@ -70,7 +70,7 @@ def pack_slots(parts: list[SlotBatch]) -> SlotBatch:
 
 
 def draft_loss(logits: torch.Tensor, b: SlotBatch, rows: torch.Tensor, valid: torch.Tensor,
-               d2t: torch.Tensor, t2d: torch.Tensor):
+               d2t: torch.Tensor, t2d: torch.Tensor, out_of_vocab: bool = False):
     """Per-element KL(verifier || drafter) over the draft vocab, and whether the drafter's argmax is right.
 
     logits [N, Vd]; element i is scored against slot rows[i] of `b` (its target_p [T, Vd] and target_ids [T]);
@@ -78,14 +78,15 @@ def draft_loss(logits: torch.Tensor, b: SlotBatch, rows: torch.Tensor, valid: to
     KL = sum p log p (the slot's negative entropy, computed once per slot: no gradient flows through it)
        + cross-entropy(p, softmax(logits)) (one fused soft-target kernel, about half the time of writing it out).
     Positions whose verifier argmax lies OUTSIDE the draft vocabulary get no loss (the drafter can never propose
-    that token, and the renormalized target would teach it a wrong favourite), but they count as wrong in
-    `correct`, so accuracy is an honest estimate of greedy acceptance.
+    that token, and the renormalized target would teach it a wrong favourite), unless `out_of_vocab`
+    (--train-out-of-vocab: they train on the renormalized target, as the reference trainer's loss does); either way
+    they count as wrong in `correct`, so accuracy is an honest estimate of greedy acceptance.
     """
     target_ids = b.target_ids[rows]  # [N]
     ce = F.cross_entropy(logits.float(), b.target_p[rows].float(), reduction="none")  # [N]
     kl = b.target_entropy()[rows] + ce
     in_vocab = t2d[target_ids]
-    trained = valid & in_vocab
+    trained = valid if out_of_vocab else valid & in_vocab
     kl = torch.where(trained, kl, torch.zeros_like(kl))
     pred = logits.argmax(-1)
     correct = valid & ((pred + d2t[pred]) == target_ids)

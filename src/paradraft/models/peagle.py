@@ -106,7 +106,7 @@ class PEagleDrafter(DraftModel):
     @classmethod
     def train_args(cls, cfg) -> dict:
         return {"num_depths": cfg.num_depths, "cod_ratio": cfg.cod_ratio, "cod_ratio_min": cfg.cod_ratio_min,
-                "loss_decay": cfg.loss_decay}
+                "loss_decay": cfg.loss_decay, "out_of_vocab": cfg.train_out_of_vocab}
 
     @classmethod
     def scored_depths(cls, cfg) -> int:
@@ -181,7 +181,8 @@ class PEagleDrafter(DraftModel):
         return self.embed(tok), self.project(hid)
 
     def train_forward(self, b: SlotBatch, num_depths: int, ratio: float = 0.7, ratio_min: float = 0.2,
-                      generator: torch.Generator | None = None, decay: float = 1.0, anchors=None):
+                      generator: torch.Generator | None = None, decay: float = 1.0, anchors=None,
+                      out_of_vocab: bool = False):
         """Loss and per-depth stats of one packed sequence; `anchors` = (anchor, depth) overrides COD sampling."""
         if anchors is None:
             anchors = cod_sample(b.valid, num_depths, ratio, ratio_min, generator, document_ids=b.doc)
@@ -192,16 +193,18 @@ class PEagleDrafter(DraftModel):
         logits = self.logits(h)  # [N, Vd]
         tgt = torch.clamp(anchor + depth, max=len(b) - 1)
         valid = b.valid[tgt] & (anchor + depth < len(b))
-        kl, trained, correct = draft_loss(logits, b, tgt, valid, self.d2t, self.t2d)
+        kl, trained, correct = draft_loss(logits, b, tgt, valid, self.d2t, self.t2d, out_of_vocab)
         loss, stats = depth_reduce(kl, trained, correct, valid, depth, num_depths, decay)
         stats["num_elements"] = int(anchor.numel())
         stats["elements"] = (anchor.detach(), depth.detach(), correct.detach(), valid.detach())
         return loss, stats, logits, (anchor, depth)
 
     def forward(self, b: SlotBatch, generator: torch.Generator | None = None, num_depths: int = 8,
-                cod_ratio: float = 0.7, cod_ratio_min: float = 0.2, loss_decay: float = 1.0, **_):
+                cod_ratio: float = 0.7, cod_ratio_min: float = 0.2, loss_decay: float = 1.0, out_of_vocab: bool = False,
+                **_):
         """Training loss and stats (what the generic trainer calls; DDP needs it to be `forward`)."""
-        loss, stats, _, _ = self.train_forward(b, num_depths, cod_ratio, cod_ratio_min, generator, loss_decay)
+        loss, stats, _, _ = self.train_forward(b, num_depths, cod_ratio, cod_ratio_min, generator, loss_decay,
+                                               out_of_vocab=out_of_vocab)
         return loss, stats
 
     def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, k: int,

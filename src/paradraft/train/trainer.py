@@ -60,7 +60,8 @@ _ADAMW_ONLY = ("embed_tokens", "lm_head")
 class MuonAdamW:
     """--optimizer muon: torch's Muon over the draft layers' weight matrices (2-D, both sides > 1, not embeddings or
     lm_head) and AdamW (0.9, 0.95) over every other trained parameter. One optimizer to the trainer: param_groups
-    spans both (each group's "lr_scale" is its peak rate over --lr), and the state dict holds both."""
+    spans both (each group's "lr_scale" is its peak rate over --lr), and the state dict holds both. (AdamW's beta2:
+    --adam-beta2.)"""
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig):
         matrices, rest = [], []
@@ -77,7 +78,7 @@ class MuonAdamW:
         self.muon = torch.optim.Muon(matrices, lr=muon_lr, weight_decay=cfg.muon_weight_decay,
                                      adjust_lr_fn="match_rms_adamw") if matrices else None
         self.adamw = torch.optim.AdamW(rest, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                       betas=(0.9, 0.95)) if rest else None
+                                       betas=(0.9, cfg.adam_beta2)) if rest else None
         for g in self.muon.param_groups if self.muon else []:
             g["lr_scale"] = muon_lr / cfg.lr
         self.parts = {k: o for k, o in (("muon", self.muon), ("adamw", self.adamw)) if o is not None}
@@ -109,7 +110,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
     if cfg.optimizer == "muon":
         return MuonAdamW(model, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, cfg.adam_beta2))
 
 
 class TrainingError(UserError, RuntimeError):
@@ -181,7 +182,7 @@ def resume_problems(state: dict, cfg: TrainConfig, data_identity: str) -> list[s
     RESUME_MAY_CHANGE may differ; the data must be the same dataset."""
     want = config_to_dict(cfg)
     # a flag added after the checkpoint was written ran there as its default (new flags keep the old behaviour)
-    saved = {**field_defaults(TrainConfig), **(state.get("config") or {})}
+    saved = {**field_defaults(TrainConfig), **LATER_FLAGS, **(state.get("config") or {})}
     for k in ("autocast", "verifier_dtype"):  # the dtype the run used, where its flag said auto
         if saved.get(k) == "auto" and state.get(k):
             saved[k] = state[k]
@@ -703,6 +704,12 @@ IDENTITY_IGNORES = ("resume", "overwrite", "device", "output", "data", "hidden_s
                     "keep_checkpoints", "log_every", "attention")
 
 
+# flags added after runs were finished without them: {flag: the value those runs ran with}. At that value a flag is
+# left out of a run's identity, so a run finished before it existed is still reused; a checkpoint saved before it
+# existed resumes with that value (whatever the flag's default becomes)
+LATER_FLAGS = {"adam_beta2": 0.95, "train_out_of_vocab": False}
+
+
 def dataset_identity(manifest: dict) -> str:
     """The identity of a prepared dataset (what its manifest records), as checkpoints and runs store it."""
     return fingerprint(manifest.get("identity") or manifest)
@@ -713,7 +720,8 @@ def train_identity(cfg: TrainConfig, data_identity: str, autocast: str | None = 
     """What a finished run was made from: its resolved flags (less IDENTITY_IGNORES) and its dataset. `autocast` and
     `verifier_dtype` are the dtypes the run used (default: what the flags mean on this machine), so `auto` reuses a
     run made in the dtype it resolves to here, whichever way that run spelled it."""
-    kept = {k: v for k, v in config_to_dict(cfg).items() if k not in IDENTITY_IGNORES}
+    kept = {k: v for k, v in config_to_dict(cfg).items()
+            if k not in IDENTITY_IGNORES and not (k in LATER_FLAGS and v == LATER_FLAGS[k])}
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     kept["autocast"] = autocast or resolve_autocast(cfg.autocast, device)
     kept["verifier_dtype"] = verifier_dtype or resolve_dtype(cfg.verifier_dtype, device)
