@@ -415,3 +415,44 @@ def test_metrics_json_is_standard_and_plots_with_nulls(tmp_path):
     rows = [json_safe(rec), {"step": 2, "loss": 3.0, "acc": [0.6, 0.1, None]}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in rows))
     assert plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "t.png").stat().st_size > 0
+
+
+def test_reference_trainer_layout_holds_every_sample_where_the_reference_reads_it(world, tmp_path):
+    """benchmarks/reference_trainer.py hands paradraft's data to the reference trainer: every sample's Arrow row and
+    hs_{row}.safetensors ([T, 4, H]: the 3 aux layers, then the last layer) hold that sample, train rows first, and
+    the reference's split rule (first int(N * ratio) rows train) gives exactly paradraft's train split."""
+    import importlib.util
+
+    import numpy as np
+    from datasets import load_from_disk
+
+    from paradraft.data.hidden_states import HiddenStates
+    from paradraft.data.prepare import PreparedDataset
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "reference_trainer.py"
+    spec = importlib.util.spec_from_file_location("reference_trainer", path)
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    _, _, tmp = world
+    d2t, t2d = torch.zeros(8, dtype=torch.long), torch.zeros(50, dtype=torch.bool)
+    t2d[:8] = True
+    info = ref.write_reference_data(str(tmp / "data"), str(tmp / "hs"), tmp_path / "ref", d2t, t2d)
+    ds = PreparedDataset(tmp / "data")
+    order = list(ds.indices("train")) + list(ds.indices("val"))
+    assert (info["num_train"], info["num_val"]) == (len(ds.indices("train")), len(ds.indices("val")))
+    assert int(len(order) * info["train_data_ratio"]) == info["num_train"] and info["num_val"] > 0
+    rows = load_from_disk(str(tmp_path / "ref"))
+    assert len(rows) == len(order)
+    hs = {s["sample_index"]: s for s in HiddenStates(tmp / "hs")}
+    H = HiddenStates(tmp / "hs").manifest["hidden_size"]
+    for j, i in enumerate(order):
+        ids, mask = ds.sample(int(i))
+        assert rows[j]["input_ids"].tolist() == ids.tolist() and rows[j]["loss_mask"].tolist() == mask.tolist()
+        assert int(rows[j]["seq_len"]) == len(ids)
+        t = load_file(str(tmp_path / "ref" / "hidden_states" / f"hs_{j}.safetensors"))
+        assert t["token_ids"].tolist() == ids.tolist()
+        assert t["hidden_states"].shape == (len(ids), 4, H)
+        assert torch.equal(t["hidden_states"][:, :3].flatten(1), hs[int(i)]["aux"])
+        assert torch.equal(t["hidden_states"][:, 3], hs[int(i)]["last"])
+    assert np.load(tmp_path / "ref" / "d2t.npy").tolist() == d2t.tolist()
+    assert np.load(tmp_path / "ref" / "t2d.npy").tolist() == t2d.tolist()
