@@ -83,6 +83,35 @@ SETTINGS = {
     "3 depths, decay 0.5": {"num_depths": 3, "loss_decay": 0.5},
     "3 depths, decay 0.5, seed 1": {"num_depths": 3, "loss_decay": 0.5, "seed": 1},
     "3 depths, decay 0.5, seed 2": {"num_depths": 3, "loss_decay": 0.5, "seed": 2},
+    # speculators 0.9.0's optimiser as it ships (the "all" row above gave its AdamW 1e-4): Muon and AdamW both at
+    # 1e-3, AdamW weight decay 0.01 and beta2 0.999 (torch's), Muon weight decay 0.1, 1% warmup, linear decay to 0
+    "3 depths, reference optimiser": {"num_depths": 3, "optimizer": "muon", "weight_decay": 0.01,
+                                      "adam_beta2": 0.999, "lr_schedule": "linear", "warmup_steps": 1},
+    "3 depths, reference optimiser, seed 1": {"num_depths": 3, "optimizer": "muon", "weight_decay": 0.01,
+                                              "adam_beta2": 0.999, "lr_schedule": "linear", "warmup_steps": 1,
+                                              "seed": 1},
+    "3 depths, reference optimiser, seed 2": {"num_depths": 3, "optimizer": "muon", "weight_decay": 0.01,
+                                              "adam_beta2": 0.999, "lr_schedule": "linear", "warmup_steps": 1,
+                                              "seed": 2},
+    "3 depths, adam beta2 0.999": {"num_depths": 3, "adam_beta2": 0.999},
+    "3 depths, adam beta2 0.999, seed 1": {"num_depths": 3, "adam_beta2": 0.999, "seed": 1},
+    "3 depths, adam beta2 0.999, seed 2": {"num_depths": 3, "adam_beta2": 0.999, "seed": 2},
+    # ... and as `train`'s default weights them (depth 0: 72% of the loss over 3 depths)
+    "3 depths, decay 0.3": {"num_depths": 3, "loss_decay": 0.3},
+    # the reference's wall time for its 120 steps buys paradraft about twice the steps (cosine over all of them)
+    "3 depths, 2x steps": {"num_depths": 3, "__steps_factor": 2},
+    # the reference's loss also trains positions whose verifier argmax is outside the draft vocabulary (10% here)
+    "3 depths, out-of-vocab trained": {"num_depths": 3, "train_out_of_vocab": True},
+    "3 depths, out-of-vocab trained, seed 1": {"num_depths": 3, "train_out_of_vocab": True, "seed": 1},
+    "3 depths, out-of-vocab trained, seed 2": {"num_depths": 3, "train_out_of_vocab": True, "seed": 2},
+    # every speculators 0.9.0 P-EAGLE default paradraft has: its optimiser as above, its Qwen3-style layer, norm before
+    # residual, N(0, 1) mask_hidden, frozen lm_head with trainable embeddings, 8 depths with ~its element-mean
+    # weighting (0.7^d); scored at K=3 like the rest
+    "reference defaults (0.9.0), all": {"num_depths": 8, "optimizer": "muon", "weight_decay": 0.01,
+                                        "adam_beta2": 0.999, "lr_schedule": "linear", "warmup_steps": 1,
+                                        "draft_layer": "qwen3", "norm_before_residual": True,
+                                        "mask_hidden_init": "unit", "freeze_lm_head": True, "train_embeddings": True,
+                                        "loss_decay": 0.7, "train_out_of_vocab": True},
     # speculators' P-EAGLE trainer defaults that paradraft can serve in vLLM (its Qwen3-style draft layer for a
     # Llama verifier is not one vLLM's Llama EAGLE-3 model loads)
     "speculators defaults (norm before residual, linear lr)": {"norm_before_residual": True,
