@@ -30,8 +30,10 @@ Rows are appended to --output after every run (a stopped comparison keeps what i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -41,16 +43,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from paradraft.config import TrainConfig
+from paradraft.config import QuickstartConfig, TrainConfig, config_to_dict
 from paradraft.data.hidden_states import HiddenStates
 from paradraft.data.prepare import PreparedDataset
 from paradraft.models.checkpoint import load_drafter
+from paradraft.quickstart import quickstart_steps
 from paradraft.train.trainer import Trainer, train
 from paradraft.verifier.load import embedded_model_dir
 
-# `make demo`'s train step (paradraft.quickstart), every held-out sample scored: the sweep's quickstart base
-QUICKSTART = dict(algorithm="peagle", batch_tokens=2048, lr=1e-3, warmup_steps=10, val_samples=10_000,
-                  draft_vocab_size=8192, loss_decay=1.0)
+
+def quickstart_train(**over) -> TrainConfig:
+    """`make demo`'s train step (paradraft.quickstart's own config) with `over` applied, every held-out sample
+    scored."""
+    return dataclasses.replace(dict(quickstart_steps(QuickstartConfig()))["train"], val_samples=10_000, **over)
+
 
 # The reference's trainer on a CPU: three device fixes at run time, then its own command line (argv after the
 # script name). Its trainer moves tensors to `get_local_rank()` (an int: cuda:0), autocasts on the accelerator's
@@ -139,7 +145,6 @@ def run_reference(python: str, ref_data: Path, info: dict, save: Path, steps: in
 
 def own_validation(log: Path) -> dict[int, float]:
     """The reference's own last held-out per-depth accuracy (from its log): a cross-check of the scoring."""
-    import re
     acc: dict[int, float] = {}
     for m in re.finditer(r"val/position_(\d+)_acc_epoch=([-+.\de]+)", log.read_text(errors="replace")):
         acc[int(m.group(1))] = float(m.group(2).rstrip(","))
@@ -183,6 +188,8 @@ def main() -> None:
     work = Path(a.work or tmp.name)
     work.mkdir(parents=True, exist_ok=True)
     out = Path(a.output)
+    quickstart_flags = {k: v for k, v in config_to_dict(quickstart_train()).items()
+                        if k not in ("data", "hidden_states", "output")}
     rows = json.loads(out.read_text())["rows"] if out.is_file() else []
 
     def add(row: dict) -> None:
@@ -190,15 +197,14 @@ def main() -> None:
                                                                                row["depths"])] + [row]
         doc = {"benchmark": "reference_trainer", "date": time.strftime("%Y-%m-%d"), "data": a.data,
                "hidden_states": a.hidden_states, "steps": a.steps, "score_depths": a.score_depths,
-               "quickstart_flags": QUICKSTART, "rows": rows}
+               "quickstart_flags": quickstart_flags, "rows": rows}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=2) + "\n")
         print(json.dumps(row), flush=True)
 
     # one scorer: the quickstart's trainer, built once, whose validate() scores every drafter on the held-out split
-    scorer = Trainer(TrainConfig(**QUICKSTART, data=a.data, hidden_states=a.hidden_states,
-                                 output=str(work / "scorer"), num_depths=a.score_depths,
-                                 num_speculative_tokens=a.score_depths, max_steps=1))
+    scorer = Trainer(quickstart_train(data=a.data, hidden_states=a.hidden_states, output=str(work / "scorer"),
+                                      num_depths=a.score_depths, num_speculative_tokens=a.score_depths, max_steps=1))
     mask = int(scorer.model.cfg.mask_token_id)
     d2t, t2d = scorer.model.d2t.cpu(), scorer.model.t2d.cpu()
     ref_data = work / "reference-data"
@@ -213,8 +219,8 @@ def main() -> None:
                 "val_acceptance_length_by_k": v["acceptance_length_by_k"], "val_acc": v["acc"],
                 "val_conditional_acc": v["conditional_acc"], "vocab_coverage": v["vocab_coverage"]}
 
+    tag = "".join(c if c.isalnum() else "-" for c in a.label).strip("-")
     for seed in a.seeds:
-        tag = "".join(c if c.isalnum() else "-" for c in a.label).strip("-")
         save = work / f"reference-{tag}-seed{seed}-depths{a.reference_depths}"
         secs = run_reference(a.reference_python, ref_data, info, save, a.steps, seed, a.reference_depths, mask,
                              work / f"{save.name}.log", a.reference_args.split())
@@ -228,9 +234,10 @@ def main() -> None:
             continue
         run = work / f"paradraft-seed{seed}-depths{a.paradraft_depths}"
         t0 = time.time()
-        train(TrainConfig(**QUICKSTART, data=a.data, hidden_states=a.hidden_states, output=str(run),
-                          num_depths=a.paradraft_depths, num_speculative_tokens=min(a.score_depths, a.paradraft_depths),
-                          max_steps=a.steps, save_every=10_000, seed=seed, overwrite=True))
+        train(quickstart_train(data=a.data, hidden_states=a.hidden_states, output=str(run),
+                               num_depths=a.paradraft_depths,
+                               num_speculative_tokens=min(a.score_depths, a.paradraft_depths),
+                               max_steps=a.steps, save_every=10_000, seed=seed, overwrite=True))
         secs = time.time() - t0
         add(row_of("paradraft (quickstart defaults)", seed, a.paradraft_depths, secs, score(scorer, run)))
     if tmp is not None:

@@ -59,9 +59,8 @@ _ADAMW_ONLY = ("embed_tokens", "lm_head")
 
 class MuonAdamW:
     """--optimizer muon: torch's Muon over the draft layers' weight matrices (2-D, both sides > 1, not embeddings or
-    lm_head) and AdamW (0.9, 0.95) over every other trained parameter. One optimizer to the trainer: param_groups
-    spans both (each group's "lr_scale" is its peak rate over --lr), and the state dict holds both. (AdamW's beta2:
-    --adam-beta2.)"""
+    lm_head) and AdamW (0.9, --adam-beta2) over every other trained parameter. One optimizer to the trainer:
+    param_groups spans both (each group's "lr_scale" is its peak rate over --lr), and the state dict holds both."""
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig):
         matrices, rest = [], []
@@ -181,7 +180,8 @@ def resume_problems(state: dict, cfg: TrainConfig, data_identity: str) -> list[s
     """Why a checkpoint's run cannot be continued with `cfg` (empty: it can). Only the flags in
     RESUME_MAY_CHANGE may differ; the data must be the same dataset."""
     want = config_to_dict(cfg)
-    # a flag added after the checkpoint was written ran there as its default (new flags keep the old behaviour)
+    # a flag added after the checkpoint was written ran there as its default (new flags keep the old behaviour), or
+    # as the value LATER_FLAGS records where the default may since have changed
     saved = {**field_defaults(TrainConfig), **LATER_FLAGS, **(state.get("config") or {})}
     for k in ("autocast", "verifier_dtype"):  # the dtype the run used, where its flag said auto
         if saved.get(k) == "auto" and state.get(k):
