@@ -11,7 +11,14 @@ paradraft's speculators-format loader (the format vLLM serves).
   python benchmarks/reference_trainer.py --data runs/quickstart/data --hidden-states runs/quickstart/hidden_states \
       --reference-python /path/to/venv-with-speculators/bin/python [--seeds 0 1 2] [--steps 120] \
       [--reference-depths 8] [--paradraft-depths 3] [--reference-args "FLAGS" --label NAME] [--skip-paradraft] \
-      [--work DIR] [--output JSON]
+      [--align-loss-mask] [--work DIR] [--output JSON]
+
+Which predictions each trains: the reference shifts a sample to (x_{j+1}, g_j, target y_{j+1}, loss_mask l_{j+1})
+(its `shift_batch`), so it trains the prediction made AFTER each assistant token: not the prediction of an
+answer's first token (made at the last prompt token), but the one after the answer's last token. paradraft trains
+slot j iff the token it predicts, x_{j+2}, is an assistant token (`paradraft.models.loss.slot_valid`): the first
+answer token's prediction, not the one after the last. `--align-loss-mask` hands the reference the loss mask shifted
+one token earlier (l'_k = l_{k+1}), so that both train exactly the same predictions.
 
 The reference needs its own environment (speculators 0.9.0 pins transformers <= 5.19; paradraft's own may be newer):
   python -m venv V && V/bin/pip install torch==2.13.0 "transformers>=5,<=5.19" "datasets>=4,<=5.1" \
@@ -77,11 +84,23 @@ main(TrainConfig.resolve(sys.argv[1:]))
 """
 
 
-def write_reference_data(data: str, hidden_states: str, out: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> dict:
+def reference_loss_mask(loss_mask: torch.Tensor, align: bool) -> torch.Tensor:
+    """loss_mask [T] bool -> the mask the reference is given: as is, or (align) shifted one token earlier,
+    l'_k = l_{k+1} (l'_{T-1} = 0), so that its rule (slot j trains iff l'_{j+1}) is paradraft's (iff l_{j+2})."""
+    if not align:
+        return loss_mask
+    out = torch.zeros_like(loss_mask)
+    out[:-1] = loss_mask[1:]
+    return out
+
+
+def write_reference_data(data: str, hidden_states: str, out: Path, d2t: torch.Tensor, t2d: torch.Tensor,
+                         align_loss_mask: bool = False) -> dict:
     """paradraft's prepared data + hidden states -> the reference's offline layout in `out`: an Arrow dataset
     (input_ids, loss_mask, seq_len; train samples first, then held-out, so its train_data_ratio splits them as
     paradraft does), hidden_states/hs_{i}.safetensors ({hidden_states [T, 4, H]: the 3 aux layers then the pre-norm
-    last layer; token_ids [T]}), and d2t / t2d .npy (the reference's vocabulary files)."""
+    last layer; token_ids [T]}), and d2t / t2d .npy (the reference's vocabulary files). `align_loss_mask`: see
+    `reference_loss_mask`."""
     from datasets import Dataset
     from safetensors.torch import save_file
 
@@ -102,7 +121,7 @@ def write_reference_data(data: str, hidden_states: str, out: Path, d2t: torch.Te
         save_file({"hidden_states": stacked.contiguous(), "token_ids": s["input_ids"].long().contiguous()},
                   str(out / "hidden_states" / f"hs_{j}.safetensors"))
         rows["input_ids"][j] = s["input_ids"].long().tolist()
-        rows["loss_mask"][j] = s["loss_mask"].bool().tolist()
+        rows["loss_mask"][j] = reference_loss_mask(s["loss_mask"].bool(), align_loss_mask).tolist()
         rows["seq_len"][j] = T
         seen += 1
     if seen != len(order):
@@ -179,6 +198,8 @@ def main() -> None:
     ap.add_argument("--skip-paradraft", action="store_true", help="train and score the reference only")
     ap.add_argument("--reference-args", default="",
                     help="more flags for the reference's trainer (e.g. '--optimizer adamw'): a variant of its defaults")
+    ap.add_argument("--align-loss-mask", action="store_true",
+                    help="give the reference the loss mask one token earlier, so it trains paradraft's predictions")
     ap.add_argument("--label", default="its defaults", help="what the reference row is called")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one, removed)")
     ap.add_argument("--output", default="benchmarks/results/reference_trainer.json")
@@ -207,9 +228,9 @@ def main() -> None:
                                       num_depths=a.score_depths, num_speculative_tokens=a.score_depths, max_steps=1))
     mask = int(scorer.model.cfg.mask_token_id)
     d2t, t2d = scorer.model.d2t.cpu(), scorer.model.t2d.cpu()
-    ref_data = work / "reference-data"
+    ref_data = work / ("reference-data-aligned" if a.align_loss_mask else "reference-data")
     if not (ref_data / "d2t.npy").is_file():
-        info = write_reference_data(a.data, a.hidden_states, ref_data, d2t, t2d)
+        info = write_reference_data(a.data, a.hidden_states, ref_data, d2t, t2d, a.align_loss_mask)
         (ref_data / "paradraft_info.json").write_text(json.dumps(info))
     info = json.loads((ref_data / "paradraft_info.json").read_text())
 
@@ -227,6 +248,7 @@ def main() -> None:
         row = row_of(f"speculators 0.9.0 ({a.label})", seed, a.reference_depths, secs,
                      score(scorer, final_checkpoint(save)))
         row["reference_args"] = a.reference_args
+        row["align_loss_mask"] = a.align_loss_mask
         own = own_validation(work / f"{save.name}.log")
         row["reference_own_val_acc"] = [own[d] for d in sorted(own)]  # its loss mask and anchors: close, not equal
         add(row)

@@ -456,3 +456,13 @@ def test_reference_trainer_layout_holds_every_sample_where_the_reference_reads_i
         assert torch.equal(t["hidden_states"][:, 3], hs[int(i)]["last"])
     assert np.load(tmp_path / "ref" / "d2t.npy").tolist() == d2t.tolist()
     assert np.load(tmp_path / "ref" / "t2d.npy").tolist() == t2d.tolist()
+    # --align-loss-mask: the reference's shift (its eagle3 `shift_batch`: loss_mask[1:] beside input_ids[1:]) then
+    # trains exactly the slots paradraft trains (slot_valid)
+    from paradraft.models.loss import slot_valid
+    ref.write_reference_data(str(tmp / "data"), str(tmp / "hs"), tmp_path / "aligned", d2t, t2d, align_loss_mask=True)
+    aligned = load_from_disk(str(tmp_path / "aligned"))
+    for j, i in enumerate(order):
+        _, mask = ds.sample(int(i))
+        theirs = aligned[j]["loss_mask"].bool()[1:]  # [S-1]: what the reference trains, slot by slot
+        assert torch.equal(theirs, slot_valid(torch.from_numpy(mask)))
+        assert not torch.equal(rows[j]["loss_mask"].bool()[1:], slot_valid(torch.from_numpy(mask)))  # as given
