@@ -21,16 +21,20 @@ import time
 from pathlib import Path
 
 from paradraft.bench.run import bench  # imported before the sweep starts: every setting runs the same code
-from paradraft.config import BenchConfig, TrainConfig
+from paradraft.config import BenchConfig, QuickstartConfig, TrainConfig, config_to_dict
+from paradraft.quickstart import quickstart_steps
 from paradraft.train.trainer import train
 
 BASES = {
     # the base of issue #5's sweep: the reference recipe's data, 100 steps
     "recipe": dict(algorithm="peagle", batch_tokens=2048, lr=1e-3, warmup_steps=10, num_depths=8, val_samples=32,
                    init_norm="verifier", num_layers=1, loss_decay=1.0),
-    # `make demo`'s train step (paradraft.quickstart), every held-out sample scored
-    "quickstart": dict(algorithm="peagle", batch_tokens=2048, lr=1e-3, warmup_steps=10, num_depths=7,
-                       val_samples=10_000, draft_vocab_size=8192, loss_decay=1.0),
+    # `make demo`'s train step, taken from paradraft.quickstart itself (3 depths since 2026-12-02; rows before
+    # 2026-12-04 ran a copy with 7 depths: each results file records the base_flags it ran), every held-out sample
+    # scored
+    "quickstart": {**{k: v for k, v in config_to_dict(dict(quickstart_steps(QuickstartConfig()))["train"]).items()
+                      if k not in ("data", "hidden_states", "output", "max_steps", "save_every")},
+                   "val_samples": 10_000},
 }
 
 SETTINGS = {
@@ -104,6 +108,10 @@ SETTINGS = {
     "3 depths, out-of-vocab trained": {"num_depths": 3, "train_out_of_vocab": True},
     "3 depths, out-of-vocab trained, seed 1": {"num_depths": 3, "train_out_of_vocab": True, "seed": 1},
     "3 depths, out-of-vocab trained, seed 2": {"num_depths": 3, "train_out_of_vocab": True, "seed": 2},
+    # the reference's init: fc and draft-layer matrices N(0, its verifier's initializer_range = 0.02)
+    "3 depths, init N(0, 0.02)": {"num_depths": 3, "init_std": 0.02},
+    "3 depths, init N(0, 0.02), seed 1": {"num_depths": 3, "init_std": 0.02, "seed": 1},
+    "3 depths, init N(0, 0.02), seed 2": {"num_depths": 3, "init_std": 0.02, "seed": 2},
     # every speculators 0.9.0 P-EAGLE default paradraft has: its optimiser as above, its Qwen3-style layer, norm before
     # residual, N(0, 1) mask_hidden, frozen lm_head with trainable embeddings, 8 depths with ~its element-mean
     # weighting (0.7^d); scored at K=3 like the rest

@@ -133,6 +133,28 @@ def test_levers_reach_the_checkpoint_and_change_training(world):
     assert not torch.equal(w["quiet"], w["noisy"]) and torch.equal(w["noisy"], w["noisy-again"])
 
 
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_init_std_draws_the_fc_and_draft_layer_matrices_from_a_normal_and_keeps_the_verifier_rows(world, algorithm):
+    """--init-std (the reference trainer's init): fc and every draft-layer weight matrix ~ N(0, std) from the run's
+    seed; embeddings and lm_head stay the verifier's rows, norms their ones."""
+    tok, model, tmp = world
+    base = Trainer(cfg(tmp, f"is-{algorithm}-torch", algorithm=algorithm), verifier=model, tokenizer=tok).model
+    wide = Trainer(cfg(tmp, f"is-{algorithm}-0.2", algorithm=algorithm, init_std=0.2), verifier=model,
+                   tokenizer=tok).model
+    again = Trainer(cfg(tmp, f"is-{algorithm}-0.2b", algorithm=algorithm, init_std=0.2), verifier=model,
+                    tokenizer=tok).model
+    drawn = [n for n, p in wide.named_parameters() if p.dim() == 2 and n.split(".")[0] in ("fc", "layers")]
+    assert "fc.weight" in drawn and any(n.endswith("mlp.down_proj.weight") for n in drawn)
+    for n in drawn:
+        w = dict(wide.named_parameters())[n]
+        assert 0.17 < float(w.std()) < 0.23 and abs(float(w.mean())) < 0.02, n
+        assert float(dict(base.named_parameters())[n].std()) < 0.15, n  # torch's init is narrower here
+        assert torch.equal(w, dict(again.named_parameters())[n])
+    assert torch.equal(wide.lm_head.weight, base.lm_head.weight)
+    assert torch.equal(wide.embed_tokens.weight, base.embed_tokens.weight)
+    assert torch.equal(wide.norm.weight, torch.ones_like(wide.norm.weight))
+
+
 def test_mask_hidden_init(world):
     tok, model, tmp = world
     assert torch.count_nonzero(Trainer(cfg(tmp, "mh-normal"), verifier=model, tokenizer=tok).model.mask_hidden) > 0

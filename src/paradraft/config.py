@@ -374,6 +374,10 @@ class TrainConfig(Checked):
                                 "the depth >= 1 elements' residual starts empty and their attention output carries "
                                 "what they predict) or as N(0, 1) (`unit`, speculators' init)",
                                 choices=["normal", "zero", "unit"])
+    init_std: float | None = opt(None, help="the drafter's fc and draft-layer weight matrices start as N(0, "
+                                 "init_std) (the reference trainer's init: its verifier's initializer_range, 0.02 "
+                                 "for SmolLM2); default: torch's Linear init (uniform, std 1/sqrt(3 fan_in), "
+                                 "0.014-0.024 here)", gt=0)
     train_embeddings: bool = opt(False, help="train the drafter's copy of the verifier's token embeddings too "
                                  "(default: frozen, only P-EAGLE's mask row trains; exported either way)")
     freeze_lm_head: bool = opt(False, help="keep the drafter's lm_head at the verifier's draft-vocabulary rows "

@@ -139,6 +139,18 @@ def lr_at(step: int, warmup_steps: int, total: int, schedule: str = "cosine") ->
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def init_normal(model: torch.nn.Module, std: float, gen: torch.Generator) -> list[str]:
+    """--init-std: every weight matrix of the drafter's fc and draft layers -> N(0, std) (the embeddings and
+    lm_head keep the verifier's rows, norms their ones, P-EAGLE's mask_hidden its own init). Returns the names."""
+    names = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and name.split(".")[0] in ("fc", "layers"):
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                names.append(name)
+    return names
+
+
 def noisy(hidden: torch.Tensor, rel_std: float, gen: torch.Generator) -> torch.Tensor:
     """hidden [T, 3Hv] plus Gaussian noise of std rel_std x each verifier layer's per-slot RMS (the three
     concatenated layers have very different scales). Drawn from the run's generator: resume stays exact."""
@@ -345,6 +357,8 @@ class Trainer:
                     self.model.mask_hidden.zero_()
                 else:
                     self.model.mask_hidden.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(cfg.seed))
+        if cfg.init_std is not None:
+            init_normal(self.model, cfg.init_std, torch.Generator().manual_seed(cfg.seed))
         # the drafter's own copy of the verifier's embeddings (written to every checkpoint): frozen unless asked
         self.model.embed_tokens.weight.requires_grad_(cfg.train_embeddings)
         self.model.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)  # the verifier's rows, or trained from them
@@ -707,7 +721,7 @@ IDENTITY_IGNORES = ("resume", "overwrite", "device", "output", "data", "hidden_s
 # flags added after runs were finished without them: {flag: the value those runs ran with}. At that value a flag is
 # left out of a run's identity, so a run finished before it existed is still reused; a checkpoint saved before it
 # existed resumes with that value (whatever the flag's default becomes)
-LATER_FLAGS = {"adam_beta2": 0.95, "train_out_of_vocab": False}
+LATER_FLAGS = {"adam_beta2": 0.95, "train_out_of_vocab": False, "init_std": None}
 
 
 def dataset_identity(manifest: dict) -> str:
