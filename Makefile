@@ -51,12 +51,13 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $@
 
-# the embedded verifier (P-EAGLE at 1 and 4 layers, EAGLE-3, bench and regenerate through both engines; extract
-# --engine vllm refuses on CPU with the reason), then tiny random Qwen3-MoE and GPT-OSS verifiers with P-EAGLE (no
-# small real one can be had offline); GPT-OSS's random outputs take 150 steps before its drafter gets drafts accepted
+# the embedded verifier (P-EAGLE at 1 and 4 layers and with the quickstart's q/k-norm layer, EAGLE-3, bench and
+# regenerate through both engines; extract --engine vllm refuses on CPU with the reason), then tiny random Qwen3-MoE
+# and GPT-OSS verifiers with P-EAGLE (no small real one can be had offline); GPT-OSS's random outputs take 150 steps
+# before its drafter gets drafts accepted
 FAMILY_INTEROP := --prompts 3 --max-tokens 32 --no-eagle3
 test-vllm: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python scripts/vllm_interop.py --peagle-layers 1 4 --regenerate 8
+	$(BIN)/python scripts/vllm_interop.py --peagle-layers 1 4 --qk-norm --regenerate 8
 	$(BIN)/python scripts/check_vllm_extract.py
 	$(BIN)/python scripts/tiny_verifier.py qwen3_moe runs/vllm-qwen3-moe/verifier
 	$(BIN)/python scripts/vllm_interop.py --verifier runs/vllm-qwen3-moe/verifier --work runs/vllm-qwen3-moe --steps 30 $(FAMILY_INTEROP)

@@ -1,7 +1,8 @@
 """`make test-vllm`: the proof that vLLM serves paradraft's drafters as paradraft runs them, measured by the same
 benchmark command on both engines.
 
-1. trains short P-EAGLE (1 layer, and --peagle-layers N) and EAGLE-3 drafters on the verifier (or takes --drafter);
+1. trains short P-EAGLE (1 layer, --peagle-layers N, and with --qk-norm the quickstart's q/k-norm layer) and
+   EAGLE-3 drafters on the verifier (or takes --drafter);
 2. `paradraft bench --engine paradraft` and `paradraft bench --engine vllm` on the same held-out prompts, float32,
    greedy, batch 1 (vLLM runs in its own environment through paradraft.vllm_driver);
 3. asserts, for plain decoding and every drafter at every K: identical generated tokens (output digests) and equal
@@ -22,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def short_drafters(work: Path, steps: int, verifier: str, peagle_layers: list[int], eagle3: bool = True) -> list[Path]:
+def short_drafters(work: Path, steps: int, verifier: str, peagle_layers: list[int], eagle3: bool = True,
+                   qk_norm: bool = False) -> list[Path]:
     from paradraft.config import PrepareConfig, RegenerateConfig, TrainConfig
     from paradraft.pipeline import run_steps
 
@@ -31,16 +33,18 @@ def short_drafters(work: Path, steps: int, verifier: str, peagle_layers: list[in
                                              max_prompt_tokens=256, batch_size=16, verifier=verifier)),
              ("prepare", PrepareConfig(data=[str(regen)], output=str(work / "data"), seq_length=512,
                                        val_fraction=0.1, verifier=verifier))]
-    runs = [("peagle" if n == 1 else f"peagle-{n}layers", "peagle", n) for n in peagle_layers]
+    runs = [("peagle" if n == 1 else f"peagle-{n}layers", "peagle", n, {}) for n in peagle_layers]
+    if qk_norm:  # the quickstart's layer: q/k norms (the reference trainer's P-EAGLE layer), norm before residual
+        runs.append(("peagle-qk-norm", "peagle", 1, {"draft_layer": "qwen3", "norm_before_residual": True}))
     if eagle3:
-        runs.append(("eagle3", "eagle3", 1))
-    for name, algo, layers in runs:
+        runs.append(("eagle3", "eagle3", 1, {}))
+    for name, algo, layers, over in runs:
         chain.append(("train", TrainConfig(algorithm=algo, data=str(work / "data"), online=True, num_layers=layers,
                                            output=str(work / name), max_steps=steps, lr=1e-3, warmup_steps=5,
                                            batch_tokens=2048, draft_vocab_size=8192, num_depths=6, ttt_steps=3,
-                                           save_every=10_000, num_speculative_tokens=3)))
+                                           save_every=10_000, num_speculative_tokens=3, **over)))
     run_steps(chain)
-    return [work / name for name, _, _ in runs]
+    return [work / name for name, _, _, _ in runs]
 
 
 def regenerate_check(work: Path, verifier: str, n: int, max_tokens: int) -> dict:
@@ -74,6 +78,8 @@ def main() -> int:
     ap.add_argument("--peagle-layers", type=int, nargs="+", default=[1],
                     help="P-EAGLE drafters trained with these layer counts")
     ap.add_argument("--no-eagle3", action="store_true", help="P-EAGLE drafters only")
+    ap.add_argument("--qk-norm", action="store_true",
+                    help="also a P-EAGLE drafter with q/k-norm layers and norm before residual (the quickstart's)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--regenerate", type=int, default=0, help="also check regenerate on this many conversations")
     ap.add_argument("--speed-only", action="store_true",
@@ -85,7 +91,7 @@ def main() -> int:
     from paradraft.config import BenchConfig
 
     drafters = [Path(d) for d in args.drafter] or short_drafters(work, args.steps, args.verifier, args.peagle_layers,
-                                                                   not args.no_eagle3)
+                                                                   not args.no_eagle3, args.qk_norm)
     data = drafters[0].parent / "data"  # the held-out split the drafters were trained beside
     common = dict(verifier=args.verifier, drafter=[str(d) for d in drafters], dataset="sharegpt-val", data=str(data),
                   num_prompts=args.prompts, max_new_tokens=args.max_tokens, num_speculative_tokens=args.k, repeats=1,

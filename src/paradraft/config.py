@@ -352,8 +352,8 @@ class TrainConfig(Checked):
     draft_vocab_size: int = opt(8192, help="draft vocabulary size when --vocab is not given", ge=1)
     num_layers: int = opt(1, help="draft decoder layers", ge=1)
     draft_layer: str = opt("auto", help="draft decoder layer style: auto follows the verifier's family; qwen3 adds "
-                           "per-head q/k RMSNorm whatever the verifier (speculators' P-EAGLE layer; `export` "
-                           "writes it only for Qwen3-family verifiers), llama leaves it out",
+                           "per-head q/k RMSNorm whatever the verifier (speculators' P-EAGLE layer; vLLM serves it "
+                           "for any verifier), llama leaves it out",
                            choices=["auto", "llama", "qwen3"])
     norm_before_residual: bool | None = opt(None, help="the first layer's residual is the normalized hidden "
                                             "state (default: the algorithm's)")

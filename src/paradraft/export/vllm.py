@@ -12,7 +12,7 @@ from ..config import ExportConfig
 from ..models.checkpoint import CheckpointError, legacy_drafter, load_drafter, save_drafter
 from ..models.registry import drafter_class
 from ..outputs import claim_dir
-from ..verifier import flavour_of, load_verifier, resolve_verifier
+from ..verifier import load_verifier, resolve_verifier
 
 
 def speculative_config(drafter_dir: str, algorithm: str, k: int) -> dict:
@@ -38,14 +38,10 @@ def export(cfg: ExportConfig) -> Path:
     if not verifier_name:
         raise CheckpointError(f"{cfg.drafter} records no verifier; pass --verifier")
     model, _ = load_verifier(verifier_name, dtype=torch.float32)
-    family = flavour_of(model.config)
-    # q/k-norm draft layers (`train --draft-layer qwen3`) only for Qwen3-family verifiers, the shape `make test-vllm`
-    # proves; Llama-style layers go to any verifier (published EAGLE-3 drafters for Qwen3 verifiers are Llama-style)
-    if probe.cfg.flavour == "qwen3" and family != "qwen3":
-        raise CheckpointError(f"{cfg.drafter}: its draft layer is qwen3-style (q/k norms) but this verifier's "
-                              f"family drafts with {family}-style layers; export writes q/k-norm draft layers "
-                              f"only for Qwen3-family verifiers, the shape `make test-vllm` proves in vLLM; "
-                              f"paradraft's own engine runs this one")
+    # the draft layer's style is the draft config's model_type, and vLLM picks its draft model by that alone
+    # (llama -> Eagle3LlamaForCausalLM, qwen3 -> Eagle3Qwen3ForCausalLM) whatever the verifier: a q/k-norm layer
+    # (`train --draft-layer qwen3`, the reference trainer's P-EAGLE layer) serves a Llama verifier too, as `make
+    # test-vllm` proves on the embedded SmolLM2
     drafter = load_drafter(cfg.drafter, verifier=model, verifier_name=verifier_name, force=cfg.force)
     drafter.cfg.verifier = resolve_verifier(verifier_name)  # a path or id vLLM can open
     drafter.cfg.verifier_architectures = list(model.config.architectures or [])
