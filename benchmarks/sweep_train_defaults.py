@@ -37,6 +37,23 @@ BASES = {
                    "val_samples": 10_000},
 }
 
+# speculators 0.9.0's optimiser: Muon + AdamW at 1e-3, weight decay 0.01, AdamW beta2 0.999, linear decay after 1
+# warmup step (at the quickstart's 3 depths)
+REFERENCE_OPTIMISER = {"num_depths": 3, "optimizer": "muon", "weight_decay": 0.01, "adam_beta2": 0.999,
+                       "lr_schedule": "linear", "warmup_steps": 1}
+# every speculators 0.9.0 P-EAGLE default paradraft has: its optimiser, its Qwen3-style layer, norm before residual,
+# N(0, 1) mask_hidden, frozen lm_head with trainable embeddings, 8 depths with ~its element-mean weighting (0.7^d),
+# out-of-vocabulary targets; scored at K=3 like the rest
+REFERENCE_ALL = {**REFERENCE_OPTIMISER, "num_depths": 8, "draft_layer": "qwen3", "norm_before_residual": True,
+                 "mask_hidden_init": "unit", "freeze_lm_head": True, "train_embeddings": True, "loss_decay": 0.7,
+                 "train_out_of_vocab": True}
+
+
+def reference_all_but(*keys: str) -> dict:
+    """REFERENCE_ALL with `keys` left at the base's values."""
+    return {k: v for k, v in REFERENCE_ALL.items() if k not in keys}
+
+
 SETTINGS = {
     "base": {},
     "norm init ones": {"init_norm": "ones"},
@@ -89,14 +106,9 @@ SETTINGS = {
     "3 depths, decay 0.5, seed 2": {"num_depths": 3, "loss_decay": 0.5, "seed": 2},
     # speculators 0.9.0's optimiser as it ships (the "all" row above gave its AdamW 1e-4): Muon and AdamW both at
     # 1e-3, AdamW weight decay 0.01 and beta2 0.999 (torch's), Muon weight decay 0.1, 1% warmup, linear decay to 0
-    "3 depths, reference optimiser": {"num_depths": 3, "optimizer": "muon", "weight_decay": 0.01,
-                                      "adam_beta2": 0.999, "lr_schedule": "linear", "warmup_steps": 1},
-    "3 depths, reference optimiser, seed 1": {"num_depths": 3, "optimizer": "muon", "weight_decay": 0.01,
-                                              "adam_beta2": 0.999, "lr_schedule": "linear", "warmup_steps": 1,
-                                              "seed": 1},
-    "3 depths, reference optimiser, seed 2": {"num_depths": 3, "optimizer": "muon", "weight_decay": 0.01,
-                                              "adam_beta2": 0.999, "lr_schedule": "linear", "warmup_steps": 1,
-                                              "seed": 2},
+    "3 depths, reference optimiser": dict(REFERENCE_OPTIMISER),
+    "3 depths, reference optimiser, seed 1": {**REFERENCE_OPTIMISER, "seed": 1},
+    "3 depths, reference optimiser, seed 2": {**REFERENCE_OPTIMISER, "seed": 2},
     "3 depths, adam beta2 0.999": {"num_depths": 3, "adam_beta2": 0.999},
     "3 depths, adam beta2 0.999, seed 1": {"num_depths": 3, "adam_beta2": 0.999, "seed": 1},
     "3 depths, adam beta2 0.999, seed 2": {"num_depths": 3, "adam_beta2": 0.999, "seed": 2},
@@ -112,14 +124,35 @@ SETTINGS = {
     "3 depths, init N(0, 0.02)": {"num_depths": 3, "init_std": 0.02},
     "3 depths, init N(0, 0.02), seed 1": {"num_depths": 3, "init_std": 0.02, "seed": 1},
     "3 depths, init N(0, 0.02), seed 2": {"num_depths": 3, "init_std": 0.02, "seed": 2},
-    # every speculators 0.9.0 P-EAGLE default paradraft has: its optimiser as above, its Qwen3-style layer, norm before
-    # residual, N(0, 1) mask_hidden, frozen lm_head with trainable embeddings, 8 depths with ~its element-mean
-    # weighting (0.7^d); scored at K=3 like the rest
-    "reference defaults (0.9.0), all": {"num_depths": 8, "optimizer": "muon", "weight_decay": 0.01,
-                                        "adam_beta2": 0.999, "lr_schedule": "linear", "warmup_steps": 1,
-                                        "draft_layer": "qwen3", "norm_before_residual": True,
-                                        "mask_hidden_init": "unit", "freeze_lm_head": True, "train_embeddings": True,
-                                        "loss_decay": 0.7, "train_out_of_vocab": True},
+    "reference defaults (0.9.0), all": REFERENCE_ALL,
+    "reference defaults (0.9.0), all, seed 1": {**REFERENCE_ALL, "seed": 1},
+    "reference defaults (0.9.0), all, seed 2": {**REFERENCE_ALL, "seed": 2},
+    "reference defaults (0.9.0), all, its init": {**REFERENCE_ALL, "init_std": 0.02},
+    # ... less one group of them at a time (that group at the quickstart's own values)
+    "reference defaults, all but its optimiser": reference_all_but("optimizer", "weight_decay", "adam_beta2",
+                                                                   "lr_schedule", "warmup_steps"),
+    "reference defaults, all but its 8 depths": reference_all_but("num_depths", "loss_decay"),
+    "reference defaults, all but its layer": reference_all_but("draft_layer", "norm_before_residual"),
+    "reference defaults, all but its trained set": reference_all_but("mask_hidden_init", "freeze_lm_head",
+                                                                     "train_embeddings", "train_out_of_vocab"),
+    # the two groups that carry its lead, servable (Llama-style layer): its optimiser and norm before residual
+    "3 depths, reference optimiser, norm before residual": {**REFERENCE_OPTIMISER, "norm_before_residual": True,
+                                                            "draft_layer": "llama"},
+    # ... and with its Qwen3-style layer (q/k norms), which carries the rest of its lead
+    "3 depths, reference optimiser, its layer": {**REFERENCE_OPTIMISER, "norm_before_residual": True,
+                                                 "draft_layer": "qwen3"},
+    "3 depths, reference optimiser, its layer, seed 1": {**REFERENCE_OPTIMISER, "norm_before_residual": True,
+                                                         "draft_layer": "qwen3", "seed": 1},
+    "3 depths, reference optimiser, its layer, seed 2": {**REFERENCE_OPTIMISER, "norm_before_residual": True,
+                                                         "draft_layer": "qwen3", "seed": 2},
+    "reference defaults, all but its qwen3 layer": reference_all_but("draft_layer"),
+    "reference defaults, all but norm before residual": reference_all_but("norm_before_residual"),
+    # what vLLM serves for a Llama verifier (its Llama-style layer), at the quickstart's 3 depths
+    "reference defaults, llama layer, 3 depths": reference_all_but("draft_layer", "num_depths", "loss_decay"),
+    "reference defaults, llama layer, 3 depths, seed 1": {**reference_all_but("draft_layer", "num_depths",
+                                                                              "loss_decay"), "seed": 1},
+    "reference defaults, llama layer, 3 depths, seed 2": {**reference_all_but("draft_layer", "num_depths",
+                                                                              "loss_decay"), "seed": 2},
     # speculators' P-EAGLE trainer defaults that paradraft can serve in vLLM (its Qwen3-style draft layer for a
     # Llama verifier is not one vLLM's Llama EAGLE-3 model loads)
     "speculators defaults (norm before residual, linear lr)": {"norm_before_residual": True,
