@@ -532,9 +532,9 @@ def test_epochs_default_change_reuses_max_steps_runs_and_continues_epoch_runs(wo
 
 
 def test_a_run_finished_before_adam_beta2_existed_is_reused_and_the_flag_reaches_adamw(world, tmp_path, capsys):
-    """--adam-beta2 and --train-out-of-vocab came after runs were finished without them (they ran with 0.95 and
-    without out-of-vocabulary loss, the defaults): such a run is still reused as finished, a run with another beta2
-    is another run, and the value reaches AdamW in both optimizers."""
+    """--adam-beta2, --train-out-of-vocab and --init-std came after runs were finished without them (they ran with
+    0.95, without out-of-vocabulary loss and with torch's init, the defaults): such a run is still reused as
+    finished, a run with another beta2 is another run, and the value reaches AdamW in both optimizers."""
     import dataclasses
 
     from paradraft.config import TrainConfig, config_to_dict
@@ -547,7 +547,7 @@ def test_a_run_finished_before_adam_beta2_existed_is_reused_and_the_flag_reaches
     prov = json.loads((run / "provenance.json").read_text())
     cfg = TrainConfig(**prov["train_config"])
     assert cfg.adam_beta2 == 0.95
-    assert set(LATER_FLAGS) == {"adam_beta2", "train_out_of_vocab"}
+    assert set(LATER_FLAGS) == {"adam_beta2", "train_out_of_vocab", "init_std"}
     # the identity the code before the flags wrote: every flag but IDENTITY_IGNORES, and neither of them
     kept = {k: v for k, v in config_to_dict(cfg).items() if k not in IDENTITY_IGNORES and k not in LATER_FLAGS}
     kept.update(autocast=prov["final"]["autocast"], verifier_dtype=prov["final"]["verifier_dtype"])
