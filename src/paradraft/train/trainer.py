@@ -139,16 +139,13 @@ def lr_at(step: int, warmup_steps: int, total: int, schedule: str = "cosine") ->
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def init_normal(model: torch.nn.Module, std: float, gen: torch.Generator) -> list[str]:
+def init_normal(model: torch.nn.Module, std: float, gen: torch.Generator) -> None:
     """--init-std: every weight matrix of the drafter's fc and draft layers -> N(0, std) (the embeddings and
-    lm_head keep the verifier's rows, norms their ones, P-EAGLE's mask_hidden its own init). Returns the names."""
-    names = []
+    lm_head keep the verifier's rows, norms their ones, P-EAGLE's mask_hidden its own init)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2 and name.split(".")[0] in ("fc", "layers"):
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
-                names.append(name)
-    return names
 
 
 def noisy(hidden: torch.Tensor, rel_std: float, gen: torch.Generator) -> torch.Tensor:
