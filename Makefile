@@ -57,7 +57,7 @@ $(VLLM_STAMP):
 # before its drafter gets drafts accepted
 FAMILY_INTEROP := --prompts 3 --max-tokens 32 --no-eagle3
 test-vllm: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python scripts/vllm_interop.py --peagle-layers 1 4 --qk-norm --regenerate 8
+	$(BIN)/python scripts/vllm_interop.py --peagle-layers 1 4 --llama-layer --regenerate 8
 	$(BIN)/python scripts/check_vllm_extract.py
 	$(BIN)/python scripts/tiny_verifier.py qwen3_moe runs/vllm-qwen3-moe/verifier
 	$(BIN)/python scripts/vllm_interop.py --verifier runs/vllm-qwen3-moe/verifier --work runs/vllm-qwen3-moe --steps 30 $(FAMILY_INTEROP)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from paradraft.bench.run import bench  # imported before the sweep starts: every setting runs the same code
 from paradraft.config import BenchConfig, QuickstartConfig, TrainConfig, config_to_dict
+from paradraft.models.common import DraftModel
 from paradraft.quickstart import quickstart_steps
 from paradraft.train.trainer import train
 
@@ -49,9 +50,15 @@ REFERENCE_ALL = {**REFERENCE_OPTIMISER, "num_depths": 8, "draft_layer": "qwen3",
                  "train_out_of_vocab": True}
 
 
+# P-EAGLE's own values before its defaults became the reference's optimiser and layer (2026-12-04): what a group
+# left out of REFERENCE_ALL goes back to
+BEFORE_REFERENCE = {**DraftModel.train_defaults, "norm_before_residual": False}
+
+
 def reference_all_but(*keys: str) -> dict:
-    """REFERENCE_ALL with `keys` left at the base's values."""
-    return {k: v for k, v in REFERENCE_ALL.items() if k not in keys}
+    """REFERENCE_ALL with `keys` left at paradraft's earlier values (BEFORE_REFERENCE), else the base's."""
+    return {**{k: v for k, v in REFERENCE_ALL.items() if k not in keys},
+            **{k: BEFORE_REFERENCE[k] for k in keys if k in BEFORE_REFERENCE}}
 
 
 SETTINGS = {

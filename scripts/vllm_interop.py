@@ -1,8 +1,9 @@
 """`make test-vllm`: the proof that vLLM serves paradraft's drafters as paradraft runs them, measured by the same
 benchmark command on both engines.
 
-1. trains short P-EAGLE (1 layer, --peagle-layers N, and with --qk-norm the quickstart's q/k-norm layer) and
-   EAGLE-3 drafters on the verifier (or takes --drafter);
+1. trains short P-EAGLE (1 layer and --peagle-layers N, with P-EAGLE's default q/k-norm layer, and with
+   --llama-layer one with a Llama-style layer, no norm before residual) and EAGLE-3 drafters on the verifier (or
+   takes --drafter);
 2. `paradraft bench --engine paradraft` and `paradraft bench --engine vllm` on the same held-out prompts, float32,
    greedy, batch 1 (vLLM runs in its own environment through paradraft.vllm_driver);
 3. asserts, for plain decoding and every drafter at every K: identical generated tokens (output digests) and equal
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def short_drafters(work: Path, steps: int, verifier: str, peagle_layers: list[int], eagle3: bool = True,
-                   qk_norm: bool = False) -> list[Path]:
+                   llama_layer: bool = False) -> list[Path]:
     from paradraft.config import PrepareConfig, RegenerateConfig, TrainConfig
     from paradraft.pipeline import run_steps
 
@@ -34,8 +35,8 @@ def short_drafters(work: Path, steps: int, verifier: str, peagle_layers: list[in
              ("prepare", PrepareConfig(data=[str(regen)], output=str(work / "data"), seq_length=512,
                                        val_fraction=0.1, verifier=verifier))]
     runs = [("peagle" if n == 1 else f"peagle-{n}layers", "peagle", n, {}) for n in peagle_layers]
-    if qk_norm:  # the quickstart's layer: q/k norms (the reference trainer's P-EAGLE layer), norm before residual
-        runs.append(("peagle-qk-norm", "peagle", 1, {"draft_layer": "qwen3", "norm_before_residual": True}))
+    if llama_layer:  # P-EAGLE's layer before 2026-12-04 (--draft-layer llama): no q/k norms, no norm before residual
+        runs.append(("peagle-llama-layer", "peagle", 1, {"draft_layer": "llama", "norm_before_residual": False}))
     if eagle3:
         runs.append(("eagle3", "eagle3", 1, {}))
     for name, algo, layers, over in runs:
@@ -78,8 +79,9 @@ def main() -> int:
     ap.add_argument("--peagle-layers", type=int, nargs="+", default=[1],
                     help="P-EAGLE drafters trained with these layer counts")
     ap.add_argument("--no-eagle3", action="store_true", help="P-EAGLE drafters only")
-    ap.add_argument("--qk-norm", action="store_true",
-                    help="also a P-EAGLE drafter with q/k-norm layers and norm before residual (the quickstart's)")
+    ap.add_argument("--llama-layer", action="store_true",
+                    help="also a P-EAGLE drafter with a Llama-style layer and no norm before residual (its default "
+                         "has q/k norms and norm before residual)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--regenerate", type=int, default=0, help="also check regenerate on this many conversations")
     ap.add_argument("--speed-only", action="store_true",
@@ -91,7 +93,7 @@ def main() -> int:
     from paradraft.config import BenchConfig
 
     drafters = [Path(d) for d in args.drafter] or short_drafters(work, args.steps, args.verifier, args.peagle_layers,
-                                                                   not args.no_eagle3, args.qk_norm)
+                                                                   not args.no_eagle3, args.llama_layer)
     data = drafters[0].parent / "data"  # the held-out split the drafters were trained beside
     common = dict(verifier=args.verifier, drafter=[str(d) for d in drafters], dataset="sharegpt-val", data=str(data),
                   num_prompts=args.prompts, max_new_tokens=args.max_tokens, num_speculative_tokens=args.k, repeats=1,

@@ -534,7 +534,9 @@ def test_epochs_default_change_reuses_max_steps_runs_and_continues_epoch_runs(wo
 def test_a_run_finished_before_adam_beta2_existed_is_reused_and_the_flag_reaches_adamw(world, tmp_path, capsys):
     """--adam-beta2, --train-out-of-vocab and --init-std came after runs were finished without them (they ran with
     0.95, without out-of-vocabulary loss and with torch's init, the defaults): such a run is still reused as
-    finished, a run with another beta2 is another run, and the value reaches AdamW in both optimizers."""
+    finished, a run with another beta2 is another run, and the value reaches AdamW in both optimizers. (EAGLE-3:
+    its defaults are still those; P-EAGLE's optimiser defaults have since changed, so a P-EAGLE run from then is
+    reused only with its flags given.)"""
     import dataclasses
 
     from paradraft.config import TrainConfig, config_to_dict
@@ -543,7 +545,8 @@ def test_a_run_finished_before_adam_beta2_existed_is_reused_and_the_flag_reaches
 
     tmp, _ = world
     run = tmp_path / "run"
-    assert run_cli(capsys, *train_args(tmp, run))[0] == 0
+    e3 = ("--algorithm", "eagle3", "--ttt-steps", "2")
+    assert run_cli(capsys, *train_args(tmp, run, *e3))[0] == 0
     prov = json.loads((run / "provenance.json").read_text())
     cfg = TrainConfig(**prov["train_config"])
     assert cfg.adam_beta2 == 0.95
@@ -555,14 +558,14 @@ def test_a_run_finished_before_adam_beta2_existed_is_reused_and_the_flag_reaches
     for k in LATER_FLAGS:
         prov["train_config"].pop(k)
     (run / "provenance.json").write_text(json.dumps(prov))
-    rc, out, _ = run_cli(capsys, *train_args(tmp, run))
+    rc, out, _ = run_cli(capsys, *train_args(tmp, run, *e3))
     assert rc == 0 and "reusing it" in out
     dtypes = (prov["final"]["autocast"], prov["final"]["verifier_dtype"])
     assert train_identity(cfg, prov["data_identity"], *dtypes) == prov["train_identity"]  # at the pre-flag values
     for other in ({"adam_beta2": 0.999}, {"train_out_of_vocab": True}):
         assert train_identity(dataclasses.replace(cfg, **other), prov["data_identity"], *dtypes) \
             != prov["train_identity"], other
-    rc, _, err = run_cli(capsys, *train_args(tmp, run, "--adam-beta2", "0.999"))  # another run: never replaced
+    rc, _, err = run_cli(capsys, *train_args(tmp, run, *e3, "--adam-beta2", "0.999"))  # another run: never replaced
     assert rc == 1 and "--overwrite" in err
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     for optimizer in ("adamw", "muon"):

@@ -351,12 +351,12 @@ class TrainConfig(Checked):
     vocab: str | None = opt(None, help="draft vocabulary file from `paradraft vocab` (default: built from --data)")
     draft_vocab_size: int = opt(8192, help="draft vocabulary size when --vocab is not given", ge=1)
     num_layers: int = opt(1, help="draft decoder layers", ge=1)
-    draft_layer: str = opt("auto", help="draft decoder layer style: auto follows the verifier's family; qwen3 adds "
-                           "per-head q/k RMSNorm whatever the verifier (speculators' P-EAGLE layer; vLLM serves it "
-                           "for any verifier), llama leaves it out",
-                           choices=["auto", "llama", "qwen3"])
+    draft_layer: str | None = opt(None, help="draft decoder layer style: auto follows the verifier's family; qwen3 "
+                                  "adds per-head q/k RMSNorm whatever the verifier (speculators' P-EAGLE layer; vLLM "
+                                  "serves it for any verifier), llama leaves it out (default: the algorithm's: qwen3 "
+                                  "for P-EAGLE, auto for EAGLE-3)", choices=["auto", "llama", "qwen3"])
     norm_before_residual: bool | None = opt(None, help="the first layer's residual is the normalized hidden "
-                                            "state (default: the algorithm's)")
+                                            "state (default: the algorithm's: on for P-EAGLE, off for EAGLE-3)")
     num_depths: int = opt(8, help="P-EAGLE prediction depths trained (K drafted in one pass <= this)", ge=1)
     cod_ratio: float = opt(0.7, help="P-EAGLE COD keep ratio per depth", gt=0, le=1)
     cod_ratio_min: float = opt(0.2, help="P-EAGLE COD floor", gt=0, le=1)
@@ -384,20 +384,25 @@ class TrainConfig(Checked):
                                "(speculators' default; 4.7M fewer trained weights for SmolLM2 at an 8k draft vocab)")
     num_speculative_tokens: int | None = opt(None, help="K recorded in the checkpoint (default: the algorithm's: "
                                              "7, and at most --num-depths for P-EAGLE)", ge=1)
-    optimizer: str = opt("adamw", help="adamw: AdamW (0.9, 0.95) over every trained weight; muon: torch's Muon "
-                         "(orthogonalised momentum, its update scaled to AdamW's RMS) over the draft layers' weight "
-                         "matrices and AdamW over the rest (embeddings, lm_head, norms, P-EAGLE's mask parameters), "
-                         "speculators' default", choices=["adamw", "muon"])
+    optimizer: str | None = opt(None, help="adamw: AdamW (0.9, --adam-beta2) over every trained weight; muon: "
+                                "torch's Muon (orthogonalised momentum, its update scaled to AdamW's RMS) over the "
+                                "draft layers' weight matrices and AdamW over the rest (embeddings, lm_head, norms, "
+                                "P-EAGLE's mask parameters), speculators' default (default: the algorithm's: muon "
+                                "for P-EAGLE, adamw for EAGLE-3)", choices=["adamw", "muon"])
     lr: float = opt(1e-3, help="peak learning rate (AdamW; 1e-3 measured best on the embedded verifier)", gt=0)
     muon_lr: float | None = opt(None, help="--optimizer muon: peak learning rate of the Muon group (default: --lr; "
                                 "its update RMS matches AdamW's, so the same rate applies)", gt=0)
-    weight_decay: float = opt(0.0, help="AdamW weight decay", ge=0)
-    adam_beta2: float = opt(0.95, help="AdamW's second-moment decay (beta2; the reference trainer keeps torch's "
-                            "0.999)", gt=0, lt=1)
+    weight_decay: float | None = opt(None, help="AdamW weight decay (default: the algorithm's: 0.01 P-EAGLE, 0 "
+                                     "EAGLE-3)", ge=0)
+    adam_beta2: float | None = opt(None, help="AdamW's second-moment decay (beta2; the reference trainer keeps "
+                                   "torch's 0.999) (default: the algorithm's: 0.999 P-EAGLE, 0.95 EAGLE-3)", gt=0,
+                                   lt=1)
     muon_weight_decay: float = opt(0.1, help="--optimizer muon: decoupled weight decay of the Muon group", ge=0)
-    warmup_steps: int = opt(20, help="linear warmup steps, then --lr-schedule", ge=0)
-    lr_schedule: str = opt("cosine", help="after warmup: cosine decay to 10% of --lr, linear decay to 0, or "
-                           "constant", choices=["cosine", "linear", "constant"])
+    warmup_steps: int | None = opt(None, help="linear warmup steps, then --lr-schedule (default: the algorithm's: "
+                                   "1 P-EAGLE, 20 EAGLE-3)", ge=0)
+    lr_schedule: str | None = opt(None, help="after warmup: cosine decay to 10% of --lr, linear decay to 0, or "
+                                  "constant (default: the algorithm's: linear P-EAGLE, cosine EAGLE-3)",
+                                  choices=["cosine", "linear", "constant"])
     hidden_noise: float = opt(0.0, help="training only: add Gaussian noise of this std, relative to each verifier "
                               "hidden state's RMS, to the drafter's hidden-state inputs (a regulariser)", ge=0)
     max_grad_norm: float = opt(1.0, help="gradient clipping", gt=0)
@@ -435,9 +440,6 @@ class TrainConfig(Checked):
                               else "give --hidden-states DIR (offline) or --online")
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues the run in --output, --overwrite replaces it: give one")
-        muon_decay_default = field_defaults(TrainConfig)["muon_weight_decay"]
-        if self.optimizer != "muon" and (self.muon_lr is not None or self.muon_weight_decay != muon_decay_default):
-            raise ConfigError("--muon-lr and --muon-weight-decay apply to --optimizer muon only")
 
 
 @dataclasses.dataclass

@@ -34,14 +34,10 @@ def quickstart_steps(cfg: QuickstartConfig) -> list[tuple[str, object]]:
                               # equal depth weights: at this budget (25-39k tokens) depth decay 0.7 over 7
                               # depths and 0.5 over 3 measured no better (BENCHMARKS.md, "Levers, measured at the
                               # quickstart's budget", "Training only the depths K=3 reads")
-                              loss_decay=1.0,
-                              # the reference trainer's layer and optimiser, together: its q/k-norm layer with
-                              # norm before residual, Muon + AdamW (weight decay 0.01, beta2 0.999), linear decay
-                              # after 1 warmup step. Together they lift the estimate by ~0.03 at this budget; any
-                              # one of the three left out loses it (BENCHMARKS.md, "Where the reference's lead
-                              # comes from"). vLLM serves this layer for any verifier (`make test-vllm`)
-                              draft_layer="qwen3", norm_before_residual=True, optimizer="muon", weight_decay=0.01,
-                              adam_beta2=0.999, lr_schedule="linear", warmup_steps=1)),
+                              # P-EAGLE's own defaults otherwise (the reference trainer's optimiser, q/k-norm
+                              # layer and norm before residual: +0.03 at this budget, BENCHMARKS.md "Where the
+                              # reference's lead comes from")
+                              loss_decay=1.0)),
         ("bench", BenchConfig(verifier=cfg.verifier, drafter=[str(run / "peagle")], dataset="sharegpt-val",
                               data=str(data_dir), num_prompts=cfg.bench_prompts, max_new_tokens=cfg.bench_tokens,
                               num_speculative_tokens=list(cfg.num_speculative_tokens), repeats=cfg.bench_repeats,

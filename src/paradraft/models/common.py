@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ConfigError
+from ..config import ConfigError, field_defaults
 from ..data.vocab import draft_to_target_ids
 from ..verifier import default_aux_layers, flavour_of
 from ..verifier.linear import linear
@@ -269,15 +269,27 @@ class DraftModel(nn.Module):
     # written into the config; they continue, and are recognised as finished, as they were trained
     unset_loss_decay: float = 1.0
     has_mask_hidden: bool = False  # --mask-hidden-init applies
+    # TrainConfig flags whose default is the algorithm's: {field: its value when the flag is not given}. These are
+    # also what every algorithm trained with before they were (resume reads them for checkpoints saved then)
+    train_defaults: dict = {"optimizer": "adamw", "weight_decay": 0.0, "adam_beta2": 0.95, "lr_schedule": "cosine",
+                            "warmup_steps": 20, "draft_layer": "auto"}
 
     # ---- training
     @classmethod
     def resolve_train_config(cls, cfg) -> None:
-        """Fill this algorithm's defaults into a TrainConfig (K, --loss-decay) and refuse what it cannot train."""
+        """Fill this algorithm's defaults into a TrainConfig (K, --loss-decay, `train_defaults`) and refuse what it
+        cannot train."""
         if cfg.num_speculative_tokens is None:
             cfg.num_speculative_tokens = 7
         if cfg.loss_decay is None:
             cfg.loss_decay = cls.default_loss_decay
+        for k, v in cls.train_defaults.items():
+            if getattr(cfg, k) is None:
+                setattr(cfg, k, v)
+        if cfg.optimizer != "muon" and (cfg.muon_lr is not None or
+                                        cfg.muon_weight_decay != field_defaults(type(cfg))["muon_weight_decay"]):
+            raise ConfigError(f"--muon-lr and --muon-weight-decay apply to --optimizer muon only (this run: "
+                              f"--optimizer {cfg.optimizer})")
         if cfg.mask_hidden_init != "normal" and not cls.has_mask_hidden:
             raise ConfigError(f"--mask-hidden-init {cfg.mask_hidden_init} applies to P-EAGLE only (--algorithm "
                               f"peagle; this run: {cfg.algorithm})")

@@ -33,7 +33,7 @@ from ..data.prepare import PreparedDataset
 from ..data.vocab import draft_to_target_ids, draft_vocabulary, load_vocab
 from ..errors import Paused, UserError
 from ..models.checkpoint import build_drafter, write_drafter
-from ..models.common import DraftConfig
+from ..models.common import DraftConfig, DraftModel
 from ..models.loss import acceptance_estimate
 from ..models.registry import drafter_class
 from ..outputs import KIND_FILES, claim_dir, output_lock, write_marker
@@ -190,8 +190,10 @@ def resume_problems(state: dict, cfg: TrainConfig, data_identity: str) -> list[s
     RESUME_MAY_CHANGE may differ; the data must be the same dataset."""
     want = config_to_dict(cfg)
     # a flag added after the checkpoint was written ran there as its default (new flags keep the old behaviour), or
-    # as the value LATER_FLAGS records where the default may since have changed
-    saved = {**field_defaults(TrainConfig), **LATER_FLAGS, **(state.get("config") or {})}
+    # as the value LATER_FLAGS records where the default may since have changed; a flag whose default is now the
+    # algorithm's had the value DraftModel.train_defaults records
+    saved = {**field_defaults(TrainConfig), **DraftModel.train_defaults, **LATER_FLAGS,
+             **(state.get("config") or {})}
     for k in ("autocast", "verifier_dtype"):  # the dtype the run used, where its flag said auto
         if saved.get(k) == "auto" and state.get(k):
             saved[k] = state[k]
