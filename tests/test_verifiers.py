@@ -221,3 +221,28 @@ def test_small_m_path_is_measured_once_per_shape_and_can_be_forced(monkeypatch):
     monkeypatch.undo()  # the real _measure again
     L._measure(lin.weight.detach(), 4)  # timing a shape leaves the global RNG where it was
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_training_targets_never_take_the_timed_small_m_path(monkeypatch):
+    """The training targets (VerifierHead) of a sample with 2..16 trained positions are the module's own bits
+    whichever path a timing would pick: with the transposed path forced, the decoding head takes it and the
+    target head does not. (A timing that picked differently under load made a resumed run differ from an
+    uninterrupted one in the last bits: the recipe pause-and-continue test, 2026-12-05.)"""
+    import paradraft.verifier.linear as L
+
+    model = make_tiny_verifier("llama").float()
+    head, adapter = VerifierHead(model), adapter_for(model)
+    torch.manual_seed(0)
+    last = torch.randn(5, model.config.hidden_size)  # [5, H]: five trained positions
+    with torch.no_grad():
+        expected = model.lm_head(model.model.norm(last)).float()  # [5, V]
+        transposed = (model.lm_head.weight @ model.model.norm(last).T).T  # [5, V]
+    # (on the 2-core hosts' BLAS the two differ in the last bits: ~1e-5 here; where they agree this test is weaker)
+    for forced in ("on", "off"):
+        monkeypatch.setenv(L.SMALL_M_ENV, forced)
+        assert torch.equal(head.logits(last), expected)
+        p, ids = head.targets(last, torch.arange(64))
+        assert torch.equal(p, torch.softmax(expected[:, :64], -1)) and torch.equal(ids, expected.argmax(-1))
+    monkeypatch.setenv(L.SMALL_M_ENV, "on")
+    with torch.no_grad():  # decoding keeps the rule (forced on: the transposed product)
+        assert torch.equal(adapter.logits(model, model.model.norm(last)), transposed)

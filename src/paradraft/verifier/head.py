@@ -20,9 +20,13 @@ class VerifierHead:
 
     @torch.no_grad()
     def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        """last_hidden [S, H] (pre-norm) -> logits [S, V] float32, as the model computes them."""
+        """last_hidden [S, H] (pre-norm) -> logits [S, V] float32, as the model computes them. Never through
+        decoding's timed small-M rule (verifier/linear.py): a sample with 2..16 trained positions would get
+        targets whose last bits depend on which path a timing picked in this process, and a resumed or rerun
+        training would not be bit-identical."""
         dtype = self.lm_head.weight.dtype
-        return self.adapter.logits(self.model, self.norm(last_hidden.to(self.device, dtype))).float()
+        normed = self.norm(last_hidden.to(self.device, dtype))  # [S, H]
+        return self.adapter.logits(self.model, normed, small_m=False).float()  # [S, V]
 
     @torch.no_grad()
     def targets(self, last_hidden: torch.Tensor, draft_target_ids: torch.Tensor, chunk: int = 1024):
