@@ -10,7 +10,8 @@ both paths are timed on it, on weights read from memory as a forward reads them 
 one is kept only if it is >= 10% faster.
 $PARADRAFT_SMALL_M=on / off forces it for 2..16 rows (reproducing a run, or measuring the rule itself).
 The drafter's projections take the same rule when it drafts. Elsewhere (one row, many rows, bf16, a GPU, a
-Linear subclass, a module with hooks, or with autograd recording: training) the module runs as it is.
+Linear subclass, a module with hooks, or with autograd recording: training) the module runs as it is, and so do
+the training targets (verifier/head.py): what a timing picked must never reach a drafter's weights.
 """
 
 from __future__ import annotations
