@@ -289,6 +289,9 @@ def plot_results(out: dict, path: str | Path) -> Path:
     a1.set_xticks(ks)
     a2.set_xticks(ks)
     a1.axhline(1.0, color="gray", ls="--", lw=1, label="plain decoding")
+    # acceptance length is >= 1 (plain decoding): the axis starts there, so a 0.01 difference does not fill it
+    top = max([r["acceptance_length"] for r in out["results"] if r["method"] != "plain"], default=1.0)
+    a2.set_ylim(1.0, max(1.1, top * 1.05))
     a1.set_xlabel("K (draft tokens per verifier pass)")
     a1.set_ylabel("speedup over plain decoding")
     a2.set_xlabel("K")
