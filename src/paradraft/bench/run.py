@@ -298,7 +298,8 @@ def plot_results(out: dict, path: str | Path) -> Path:
     a2.set_ylabel("acceptance length (tokens per verifier pass)")
     a1.legend(fontsize=8)
     a2.legend(fontsize=8)
-    fig.suptitle(f"{out['verifier']} on {out['dataset']}, T={out['temperature']}")
+    engine = f", {out['engine']}'s engine" if out.get("engine") else ""
+    fig.suptitle(f"{out['verifier']} on {out['dataset']}, T={out['temperature']}{engine}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
