@@ -125,4 +125,7 @@ def test_import_original_eagle3_layout(tmp_path):
     assert same_logits(d, loaded, "eagle3")
     out = export(ExportConfig(drafter=str(src), output=str(tmp_path / "converted"), verifier=str(vdir),
                               dtype="float32"))
-    assert "layers.0.hidden_norm.weight" in load_file(str(out / "model.safetensors"))
+    written = load_file(str(out / "model.safetensors"))
+    assert "layers.0.hidden_norm.weight" in written
+    # export read the verifier's embedding from its safetensors file alone (verifier_tensor), not the whole model
+    assert torch.equal(written["embed_tokens.weight"], verifier.get_input_embeddings().weight.detach().float())

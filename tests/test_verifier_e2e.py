@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 
 def test_default_aux_layers_and_tappability():
     assert default_aux_layers(30) == [2, 15, 27]
-    with pytest.raises(VerifierError, match="explicitly"):
+    with pytest.raises(VerifierError, match="extract --layers"):
         default_aux_layers(2)
     check_tappable(make_tiny_llama())
     check_tappable(make_tiny_llama(qwen3=True))

@@ -11,7 +11,7 @@ from . import config as C
 from .errors import PAUSED_EXIT, Paused, UserError
 
 # the machine, not paradraft, is at fault: no space, a read-only filesystem, no permission, quota
-ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
+ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EIO}
 
 WORKFLOW = """\
 P-EAGLE parallel drafting for lossless speculative decoding.
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     cls, fn = args._run
+    cfg = None
     try:
         cfg = C.config_from_args(cls, args)
         fn(cfg)
@@ -103,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         if e.errno not in ENVIRONMENT_ERRNOS or os.environ.get("PARADRAFT_DEBUG"):
             raise
-        where = f" {e.filename}" if e.filename else ""
-        print(f"paradraft {args.command}: error:{where}: {e.strerror}", file=sys.stderr)
+        # the file the system named, else the command's output (a write through an open file names none)
+        where = e.filename or (f"--output {cfg.output}" if getattr(cfg, "output", None) else "")
+        print(f"paradraft {args.command}: error: {where}: {e.strerror}" if where else
+              f"paradraft {args.command}: error: {e.strerror}", file=sys.stderr)
         return 1
     return 0
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -62,6 +64,11 @@ class Checked:
             for v in values:
                 if v is None:
                     continue
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ConfigError(f"{flag_name(f.name)} must be a finite number, got {v}")
+                if isinstance(v, str) and not v.strip() and not f.metadata.get("may_be_empty"):
+                    raise ConfigError(f"{flag_name(f.name)} is empty (an unset shell variable?); give a value or "
+                                      f"leave the flag out")
                 if choices and v not in choices:
                     raise ConfigError(f"{flag_name(f.name)} must be one of {', '.join(map(str, choices))}, got {v!r}")
                 if rng and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -117,6 +124,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def _coerce(name: str, value: Any, tp) -> Any:
+    """A flag's or YAML key's value as its field's type. Strict: YAML `2.7` or `true` is not an int, `1` is not a
+    bool, a list is not a scalar; strings (from the command line) are parsed exactly."""
     base, is_list = _base_type(tp)
     if value is None:
         return None
@@ -124,22 +133,48 @@ def _coerce(name: str, value: Any, tp) -> Any:
         if not isinstance(value, (list, tuple)):
             value = [value]
         if base in (int, float):  # "3,5,7" or ["3,5", "7"] -> [3, 5, 7]
-            value = [p for v in value for p in (v.split(",") if isinstance(v, str) else [v]) if p != ""]
+            value = [p for v in value for p in (v.split(",") if isinstance(v, str) else [v])
+                     if not (isinstance(p, str) and p.strip() == "")]
         return [_coerce(name, v, base) for v in value]
-    try:
-        if base is bool:
-            if isinstance(value, str):
-                if value.lower() in ("1", "true", "yes", "on"):
-                    return True
-                if value.lower() in ("0", "false", "no", "off"):
-                    return False
-                raise ValueError(value)
-            return bool(value)
-        if base in (int, float, str):
-            return base(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"config key '{name}': expected {base.__name__}, got {value!r}") from None
+
+    def wrong() -> ConfigError:
+        shown = type(value).__name__ if isinstance(value, (dict, list, tuple)) else repr(value)
+        return ConfigError(f"{flag_name(name)} (config key '{name}'): expected {_type_words(base)}, got {shown}")
+
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "false", "no", "off"):
+            return value.strip().lower() in ("true", "yes", "on")
+        raise wrong()
+    if base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                raise wrong() from None
+        raise wrong()
+    if base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise wrong() from None
+        raise wrong()
+    if base is str:
+        if isinstance(value, str):
+            return value
+        raise wrong()
     return value
+
+
+def _type_words(base) -> str:
+    return {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}.get(
+        base, getattr(base, "__name__", str(base)))
 
 
 def _unknown_key(key, names: set[str], where: str) -> str:
@@ -155,12 +190,23 @@ def build_config(cls: type[T], yaml_path: str | Path | None = None, overrides: d
     names = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     if yaml_path:
-        path = Path(yaml_path)
+        path = Path(yaml_path).expanduser()
         if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text()) or {}
+            raise ConfigError(f"--config {path}: " + ("is a directory, not a YAML file" if path.is_dir()
+                                                      else "no such file"))
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8-sig")) or {}
+        except UnicodeDecodeError:
+            raise ConfigError(f"--config {path}: not a text file (not UTF-8)") from None
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            raise ConfigError(f"--config {path}: not valid YAML{at} ({getattr(e, 'problem', None) or e})") from None
+        except OSError as e:
+            raise ConfigError(f"--config {path}: cannot be read ({e.strerror})") from None
         if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of keys to values")
+            raise ConfigError(f"--config {path}: must hold a mapping of keys to values, not a "
+                              f"{type(loaded).__name__}")
         for k, v in loaded.items():
             key = str(k).replace("-", "_")
             if key not in names:
@@ -202,6 +248,8 @@ def config_to_dict(cfg) -> dict:
 # --------------------------------------------------------------------------------------------- commands
 
 DEFAULT_VERIFIER = "smollm2-135m"
+DEVICE_HELP = ("auto | cpu | cuda | cuda:N (auto: the GPU when torch sees one, cuda:LOCAL_RANK under torchrun; "
+               "else the CPU)")
 
 
 @dataclasses.dataclass
@@ -256,8 +304,12 @@ class RegenerateConfig(Checked):
     engine: str = opt("paradraft", help="generate with paradraft's engine, or with vLLM offline (batched; "
                       "--batch-size conversations per request batch)", choices=["paradraft", "vllm"])
     vllm_python: str | None = opt(None, help=VLLM_PYTHON_HELP)
+    device: str = opt("auto", help=DEVICE_HELP)
 
     def check(self) -> None:
+        check_device_name(self.device)
+        if self.endpoint is not None and not re.match(r"^https?://[^/\s]+", self.endpoint):
+            raise ConfigError(f"--endpoint {self.endpoint!r}: give the server's URL, e.g. http://localhost:8000/v1")
         if self.endpoint and self.engine != "paradraft":
             raise ConfigError("--endpoint sends requests to a server; --engine chooses a local engine: give one")
 
@@ -301,16 +353,23 @@ class ExtractConfig(Checked):
     overwrite: bool = opt(False, help="replace hidden states of another extraction in --output (only the files "
                           "extract wrote)")
     max_samples: int | None = opt(None, help="extract at most this many samples", ge=1)
-    device: str = opt("cpu", help="torch device")
+    device: str = opt("auto", help=DEVICE_HELP)
     engine: str = opt("hf", help="run the verifier with Hugging Face transformers, or inside vLLM (its "
                       "extract_hidden_states method; needs a GPU build of vLLM)", choices=["hf", "vllm"])
     vllm_python: str | None = opt(None, help=VLLM_PYTHON_HELP)
 
     def check(self) -> None:
+        check_device_name(self.device)
         if self.layers is not None:
             check_aux_layers(self.layers, "--layers")
         if self.shard is not None:
             parse_shard(self.shard)
+
+
+def check_device_name(name: str, flag: str = "--device") -> None:
+    """A device flag's spelling (whether the device exists is utils.resolve_device's question, asked at run time)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+        raise ConfigError(f"{flag} {name!r}: give auto, cpu, cuda or cuda:N")
 
 
 def check_aux_layers(layers: list[int], flag: str) -> None:
@@ -389,9 +448,10 @@ class TrainConfig(Checked):
                                 "draft layers' weight matrices and AdamW over the rest (embeddings, lm_head, norms, "
                                 "P-EAGLE's mask parameters), speculators' default (default: the algorithm's: muon "
                                 "for P-EAGLE, adamw for EAGLE-3)", choices=["adamw", "muon"])
-    lr: float = opt(1e-3, help="peak learning rate (AdamW; 1e-3 measured best on the embedded verifier)", gt=0)
+    lr: float = opt(1e-3, help="peak learning rate (AdamW; 1e-3 measured best on the embedded verifier; above 10 "
+                    "every optimizer diverges)", gt=0, le=10)
     muon_lr: float | None = opt(None, help="--optimizer muon: peak learning rate of the Muon group (default: --lr; "
-                                "its update RMS matches AdamW's, so the same rate applies)", gt=0)
+                                "its update RMS matches AdamW's, so the same rate applies)", gt=0, le=10)
     weight_decay: float | None = opt(None, help="AdamW weight decay (default: the algorithm's: 0.01 P-EAGLE, 0 "
                                      "EAGLE-3)", ge=0)
     adam_beta2: float | None = opt(None, help="AdamW's second-moment decay (beta2; the reference trainer keeps "
@@ -430,11 +490,12 @@ class TrainConfig(Checked):
     attention: str = opt("auto", help="attention backend: sdpa (dense mask), flex (GPU), auto",
                          choices=["auto", "sdpa", "flex"])
     fsdp: bool = opt(False, help="shard the drafter with FSDP (torchrun, large drafters on GPUs)")
-    device: str = opt("auto", help="cpu | cuda | auto")
+    device: str = opt("auto", help=DEVICE_HELP)
     verifier_dtype: str = opt("auto", help=f"verifier dtype (online mode and targets; {AUTO_DTYPE}; a "
                               "resumed run keeps the dtype it began with)", choices=["auto", "bfloat16", "float32"])
 
     def check(self) -> None:
+        check_device_name(self.device)
         if (self.hidden_states is None) == (not self.online):
             raise ConfigError("give --hidden-states DIR (offline) or --online, not both" if self.online
                               else "give --hidden-states DIR (offline) or --online")
@@ -455,15 +516,19 @@ class GenerateConfig(Checked):
     temperature: float = opt(0.0, help="0 = greedy", ge=0)
     top_p: float = opt(1.0, help="nucleus sampling", gt=0, le=1)
     top_k: int = opt(0, help="top-k sampling (0 = off)", ge=0)
-    num_speculative_tokens: int = opt(7, help="K draft tokens per verifier pass", ge=1)
+    num_speculative_tokens: int | None = opt(None, help="K draft tokens per verifier pass (default: the K the drafter "
+                                             "records in its config.json, which train sets within the depths it "
+                                             "trained)", ge=1)
     batch_size: int = opt(1, help="prompts decoded together", ge=1)
     dtype: str = opt("auto", help=f"verifier and drafter dtype ({AUTO_DTYPE})", choices=["auto", "bfloat16", "float32"])
     seed: int = opt(0, help="sampling seed")
     stream: bool = opt(False, help="print text as it is accepted (batch size 1)")
     force: bool = opt(False, help="use a drafter recorded for another verifier")
     max_len: int = opt(4096, help="KV cache length per sequence", ge=2)
+    device: str = opt("auto", help=DEVICE_HELP)
 
     def check(self) -> None:
+        check_device_name(self.device)
         if (self.prompt is None) == (self.prompts is None):
             raise ConfigError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
 
@@ -481,7 +546,8 @@ class BenchConfig(Checked):
     max_new_tokens: int = opt(128, help="tokens per answer", ge=1)
     temperature: float = opt(0.0, help="0 = greedy", ge=0)
     top_p: float = opt(1.0, help="nucleus sampling", gt=0, le=1)
-    num_speculative_tokens: list[int] = opt(factory=lambda: [3, 5, 7], help="K values, comma separated", ge=1)
+    num_speculative_tokens: list[int] = opt(factory=list, help="K values, comma separated (default: the K each "
+                                            "drafter records in its config.json; 3 for prompt lookup alone)", ge=1)
     repeats: int = opt(2, help="repeats (interleaved); tokens/s is the median", ge=1)
     prompt_lookup: bool = opt(True, help="also run Hugging Face assisted generation with prompt lookup")
     dtype: str = opt("auto", help=f"verifier and drafter dtype ({AUTO_DTYPE}, on the engine's device)",
@@ -495,10 +561,10 @@ class BenchConfig(Checked):
     engine: str = opt("paradraft", help="decode with paradraft's engine, or inside vLLM (acceptance from vLLM's "
                       "counters; prompt lookup is vLLM's ngram method)", choices=["paradraft", "vllm"])
     vllm_python: str | None = opt(None, help=VLLM_PYTHON_HELP)
+    device: str = opt("auto", help=DEVICE_HELP + "; paradraft's engine (vLLM picks its own)")
 
     def check(self) -> None:
-        if not self.num_speculative_tokens:
-            raise ConfigError("--num-speculative-tokens: give at least one K")
+        check_device_name(self.device)
 
 
 @dataclasses.dataclass
@@ -541,8 +607,10 @@ class QuickstartConfig(Checked):
     num_speculative_tokens: list[int] = opt(factory=lambda: [3], help="K values benchmarked (the drafter records the "
                                             "largest for serving)", ge=1)
     seed: int = opt(0, help="seed")
+    device: str = opt("auto", help=DEVICE_HELP)
 
     def check(self) -> None:
+        check_device_name(self.device)
         if not self.num_speculative_tokens or max(self.num_speculative_tokens) > self.depths():
             raise ConfigError(f"--num-speculative-tokens {self.num_speculative_tokens}: each K must be <= "
                               f"--num-depths {self.depths()}")

@@ -6,6 +6,11 @@ only when it is new, empty, or marked with the command's own kind; and it replac
 holding nothing but the files that kind is made of. Anything else is refused with a message naming the path and
 the flag, and nothing is deleted that paradraft did not create. Files and directories honour the umask.
 A lock file beside the target (`.NAME.lock`, flock) keeps two commands from writing one output at once.
+
+Single files follow the same rule (`claim_file`): a command writes a file only where nothing is (or an empty
+file), or where the file is one it recognises as its own kind by its content (a generate JSONL, bench results,
+a plot carrying paradraft's PNG marker, a draft vocabulary), or a file of its kind inside a directory paradraft
+marked; it replaces it by rename. Anything else, a symbolic link included, is refused before any work.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import fnmatch
 import json
 import os
 import shutil
+import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -137,13 +143,26 @@ def check_replaceable(path: str | Path, kind: str, flag: str) -> None:
                               f"move them away or choose another {_flag(flag)}")
 
 
+_HELD: dict[str, int] = {}  # lock files this process holds -> nesting depth (a command may lock twice)
+
+
 @contextlib.contextmanager
-def output_lock(target: str | Path, flag: str):
+def output_lock(target: str | Path, flag: str, *, reentrant: bool = False):
     """Hold an exclusive lock on `target` (a lock file beside it) for the duration; refuse when another
-    paradraft command holds it. The lock dies with the process (flock), so a killed run leaves no stale lock."""
+    paradraft command holds it. The lock dies with the process (flock), so a killed run leaves no stale lock.
+    `reentrant`: a writer a command calls while it holds its output's lock (save_drafter inside export) passes
+    through that lock; any other second lock on one target is refused, in this process too."""
     target = Path(target).expanduser()
     target.parent.mkdir(parents=True, exist_ok=True)
     lock_path = target.parent / f".{target.name}.lock"
+    key = str(lock_path.resolve())
+    if reentrant and _HELD.get(key):
+        _HELD[key] += 1
+        try:
+            yield
+        finally:
+            _HELD[key] -= 1
+        return
     while True:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666 & ~umask())
         try:
@@ -161,9 +180,11 @@ def output_lock(target: str | Path, flag: str):
         if same:
             break
         os.close(fd)
+    _HELD[key] = 1
     try:
         yield
     finally:
+        _HELD.pop(key, None)
         with contextlib.suppress(OSError):
             os.unlink(lock_path)
         os.close(fd)
@@ -198,3 +219,132 @@ def replace_dir(target: str | Path, kind: str, flag: str):
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------ single-file outputs
+
+PNG_MARK = "paradraft"  # the PNG text chunk (Software) every paradraft plot carries: how a plot is known as ours
+RECOGNISE_BYTES = 64 << 20  # a file larger than this is never read whole to recognise it
+
+
+def _json_lines(path: Path, limit: int = 256) -> list | None:
+    """The first `limit` non-empty lines of a JSONL file as objects, or None when any is not a JSON object."""
+    out = []
+    try:
+        with open(path, encoding="utf-8-sig") as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+                if not isinstance(rec, dict):
+                    return None
+                out.append(rec)
+                if len(out) >= limit:
+                    break
+    except (OSError, ValueError):
+        return None
+    return out
+
+
+def _is_generate_jsonl(path: Path) -> bool:
+    recs = _json_lines(path)
+    return bool(recs) and all({"id", "text", "token_ids"} <= set(r) for r in recs)
+
+
+def _is_json_object_with(path: Path, keys: set) -> bool:
+    if path.stat().st_size > RECOGNISE_BYTES:
+        return False
+    try:
+        d = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and keys <= set(d)
+
+
+def _is_bench_json(path: Path) -> bool:
+    return _is_json_object_with(path, {"identity", "results"})
+
+
+def _is_vocab_summary(path: Path) -> bool:
+    return _is_json_object_with(path, {"draft_vocab_size", "target_vocab_size"})
+
+
+def png_text(path: Path) -> dict[str, str]:
+    """The tEXt chunks of a PNG file ({} for anything that is not a PNG)."""
+    out: dict[str, str] = {}
+    try:
+        with open(path, "rb") as fh:
+            if fh.read(8) != b"\x89PNG\r\n\x1a\n":
+                return {}
+            while True:
+                head = fh.read(8)
+                if len(head) < 8:
+                    return out
+                n, ctype = struct.unpack(">I4s", head)
+                if ctype == b"IDAT" or ctype == b"IEND" or n > RECOGNISE_BYTES:
+                    return out
+                body = fh.read(n)
+                fh.read(4)  # crc
+                if ctype == b"tEXt" and b"\0" in body:
+                    k, v = body.split(b"\0", 1)
+                    out[k.decode("latin-1")] = v.decode("latin-1")
+    except OSError:
+        return out
+
+
+def _is_paradraft_png(path: Path) -> bool:
+    return any(PNG_MARK in v for v in png_text(path).values())
+
+
+def safetensors_names(path: Path) -> set[str] | None:
+    """Tensor names in a safetensors file's header, or None for anything else."""
+    try:
+        with open(path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > (16 << 20):
+                return None
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError, struct.error):
+        return None
+    return {k for k in header if k != "__metadata__"} if isinstance(header, dict) else None
+
+
+def _is_vocab_file(path: Path) -> bool:
+    return safetensors_names(path) == {"d2t", "t2d"}
+
+
+# kind -> (what it is called in messages, how a file of it is recognised by content)
+FILE_KINDS: dict[str, tuple[str, callable]] = {
+    "generate": ("generate output (JSONL of {id, text, token_ids})", _is_generate_jsonl),
+    "bench": ("bench results file", _is_bench_json),
+    "plot": ("plot paradraft drew", _is_paradraft_png),
+    "vocab": ("draft vocabulary (d2t, t2d)", _is_vocab_file),
+    "vocab_summary": ("vocabulary summary", _is_vocab_summary),
+}
+
+
+def _in_own_dir(path: Path) -> bool:
+    """A file of its directory's kind inside a directory paradraft marked (e.g. results.png of a quickstart)."""
+    marker = read_marker(path.parent)
+    return marker is not None and marker["kind"] in KIND_FILES and _recognised(path.name, marker["kind"])
+
+
+def claim_file(path: str | Path, kind: str, flag: str) -> Path:
+    """May a `kind` command write file `path`? Yes where nothing is (or an empty file), or where the file is
+    recognised as a `kind` file paradraft wrote (by content, or as its kind's file inside a marked directory).
+    Refuses (OutputError naming the path and the flag) a symbolic link, a directory, and any other file. Call it
+    before any work; write with `utils.atomic_path` (beside the target, then rename)."""
+    desc, recognise = FILE_KINDS[kind]
+    path = Path(path).expanduser()
+    if path.is_symlink():
+        raise OutputError(f"{_flag(flag)} {path}: is a symbolic link; paradraft writes only regular files it made: "
+                          f"give the real path or choose another {_flag(flag)}")
+    path = check_writable(path, flag, is_dir=False)
+    if not path.exists():
+        return path
+    if not path.is_file():
+        raise OutputError(f"{_flag(flag)} {path}: is not a regular file; choose another {_flag(flag)}")
+    if path.stat().st_size == 0 or _in_own_dir(path) or recognise(path):
+        return path
+    raise OutputError(f"{_flag(flag)} {path}: exists and is not a {desc} paradraft wrote; paradraft replaces only "
+                      f"its own files: move it away or choose another {_flag(flag)}")

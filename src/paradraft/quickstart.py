@@ -12,6 +12,7 @@ from pathlib import Path
 from .config import BenchConfig, ExtractConfig, PrepareConfig, QuickstartConfig, RegenerateConfig, TrainConfig
 from .outputs import claim_dir, write_marker
 from .pipeline import run_steps
+from .utils import resolve_device
 
 
 def quickstart_steps(cfg: QuickstartConfig) -> list[tuple[str, object]]:
@@ -22,14 +23,15 @@ def quickstart_steps(cfg: QuickstartConfig) -> list[tuple[str, object]]:
         ("regenerate", RegenerateConfig(data=list(cfg.data), output=str(regen), verifier=cfg.verifier,
                                         max_samples=cfg.num_samples, max_new_tokens=cfg.max_new_tokens,
                                         max_prompt_tokens=cfg.max_prompt_tokens, batch_size=cfg.regen_batch_size,
-                                        seed=cfg.seed)),
+                                        seed=cfg.seed, device=cfg.device)),
         ("prepare", PrepareConfig(data=[str(regen)], output=str(data_dir), verifier=cfg.verifier,
                                   seq_length=cfg.seq_length, seed=cfg.seed, val_fraction=0.05, preview=1)),
-        ("extract", ExtractConfig(data=str(data_dir), output=str(hs_dir), batch_tokens=4096, samples_per_shard=128)),
+        ("extract", ExtractConfig(data=str(data_dir), output=str(hs_dir), batch_tokens=4096, samples_per_shard=128,
+                                  device=cfg.device)),
         ("train", TrainConfig(algorithm="peagle", data=str(data_dir), hidden_states=str(hs_dir),
                               output=str(run / "peagle"), verifier=cfg.verifier, draft_vocab_size=cfg.draft_vocab_size,
                               num_depths=cfg.depths(), max_steps=cfg.max_steps, batch_tokens=2048, lr=1e-3,
-                              save_every=100, seed=cfg.seed, val_samples=16,
+                              save_every=100, seed=cfg.seed, val_samples=16, device=cfg.device,
                               num_speculative_tokens=max(cfg.num_speculative_tokens),
                               # equal depth weights: at this budget (25-39k tokens) depth decay 0.7 over 7
                               # depths and 0.5 over 3 measured no better (BENCHMARKS.md, "Levers, measured at the
@@ -42,6 +44,7 @@ def quickstart_steps(cfg: QuickstartConfig) -> list[tuple[str, object]]:
                               data=str(data_dir), num_prompts=cfg.bench_prompts, max_new_tokens=cfg.bench_tokens,
                               num_speculative_tokens=list(cfg.num_speculative_tokens), repeats=cfg.bench_repeats,
                               prompt_lookup=False, output=str(run / "results.json"), plot=str(run / "results.png"),
+                              device=cfg.device,
                               seed=cfg.seed)),
     ]
 
@@ -72,6 +75,7 @@ def verdict(best: dict, out: dict) -> str:
 def quickstart(cfg: QuickstartConfig) -> dict:
     """Run the steps in order (each reuses its finished output); returns the bench results."""
     run = Path(cfg.output)
+    resolve_device(cfg.device)  # a GPU that is not there: one line, before anything is made
     # a directory of the user's is never used as the run directory
     claim_dir(run, "quickstart", "--output", legacy=lambda p: (p / "regenerated.jsonl").is_file())
     run.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,8 @@ OpenAI-compatible server (e.g. `vllm serve`) instead of running the local model.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
 import random
@@ -22,18 +24,22 @@ import torch
 from tqdm import tqdm
 
 from .config import RegenerateConfig
-from .data.sources import Skip, read_source
+from .data.sources import Skip, content_text, read_source
 from .data.template import encode_prompt, stop_token_ids
 from .decode.engine import Engine, GenerationConfig
 from .errors import UserError
 from .outputs import OutputError, check_writable, output_lock
-from .utils import engine_dtype
+from .utils import engine_dtype, resolve_device
 from .verifier import load_tokenizer, load_verifier, resolve_verifier
 from .vllm_driver import VllmEngine, VllmError, engine_args, find_vllm_python
 
 
 class EndpointError(UserError, RuntimeError):
     """The OpenAI-compatible server refused or failed a request."""
+
+
+class RegenerateError(UserError, RuntimeError):
+    """Regeneration produced nothing usable."""
 
 
 def _is_record(line: bytes) -> bool:
@@ -44,10 +50,11 @@ def _is_record(line: bytes) -> bool:
     return isinstance(rec, dict) and isinstance(rec.get("id"), str) and isinstance(rec.get("messages"), list)
 
 
-def done_ids(path: Path) -> set[str]:
+def done_ids(path: Path, writer: str | None = None) -> set[str]:
     """Ids already written. The file must be a regenerate output: complete lines that are {id, messages} records,
     plus at most a torn last line (no newline) left by a killed run, which is cut off. Any other file is refused
-    (OutputError), never truncated."""
+    (OutputError), never truncated; so is one whose records name another verifier than `writer` (answers of two
+    models mixed in one file would not be on-policy data for either)."""
     if not path.is_file():
         return set()
     with open(path, "rb") as fh:
@@ -60,31 +67,72 @@ def done_ids(path: Path) -> set[str]:
         raise OutputError(f"--output {path}: exists and is not a regenerate output (line {bad or 1} is not an "
                           f"{{id, messages}} record); paradraft appends only to its own output: choose another "
                           f"--output")
+    recs = [json.loads(ln) for ln in complete if ln.strip()]
+    if writer is not None:
+        others = sorted({str(r["verifier"]) for r in recs if "verifier" in r and not same_model(r["verifier"], writer)})
+        if others:
+            raise OutputError(f"--output {path}: holds answers written by verifier {others[0]!r}, not {writer!r}; "
+                              f"answers of two models in one file are on-policy data for neither: choose another "
+                              f"--output")
     if torn:
         with open(path, "r+b") as fh:
             fh.truncate(len(data) - len(torn))
-    return {json.loads(ln)["id"] for ln in complete if ln.strip()}
+    return {r["id"] for r in recs}
+
+
+def same_model(a: str, b: str) -> bool:
+    """Two spellings of one model (a path and the id it was saved from compare by their last part, as a drafter's
+    recorded verifier does)."""
+    return os.path.basename(str(a).rstrip("/")) == os.path.basename(str(b).rstrip("/"))
+
+
+def writer_name(cfg: RegenerateConfig) -> str:
+    """The model whose answers a run writes: the model asked at --endpoint, else --verifier."""
+    return (cfg.model_name or cfg.verifier) if cfg.endpoint else cfg.verifier
 
 
 def chat_endpoint(url: str, model: str, messages: list[dict], max_tokens: int, temperature: float = 0.0,
                   top_p: float = 1.0, seed: int = 0, timeout: float = 300.0) -> tuple[str, bool]:
-    """One chat completion from an OpenAI-compatible server -> (answer, cut at max_tokens)."""
+    """One chat completion from an OpenAI-compatible server -> (answer, cut at max_tokens). Anything but a JSON
+    chat completion (an HTML page, a proxy's error, a reset connection, no reply within `timeout`) is an
+    EndpointError naming the URL. An answer with no text (content "" or null) comes back as "": the caller does
+    not write it."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens,
             "temperature": temperature, "top_p": top_p, "seed": seed}
     req = urllib.request.Request(url.rstrip("/") + "/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            reply = json.loads(resp.read())
+            raw = resp.read()
     except urllib.error.HTTPError as e:
-        raise EndpointError(f"{url}: HTTP {e.code}: {e.read()[:300]!r}") from None
+        raise EndpointError(f"--endpoint {url}: HTTP {e.code}: {_shown(e.read())}") from None
     except urllib.error.URLError as e:
-        raise EndpointError(f"{url}: {e.reason}") from None
+        reason = "no answer within --timeout" if isinstance(e.reason, TimeoutError) else e.reason
+        raise EndpointError(f"--endpoint {url}: {reason}") from None
+    except TimeoutError:
+        raise EndpointError(f"--endpoint {url}: no answer within --timeout {timeout:g} s") from None
+    except (OSError, http.client.HTTPException) as e:  # a reset connection, a reply that is not HTTP
+        raise EndpointError(f"--endpoint {url}: the connection failed ({type(e).__name__}: {e})") from None
+    try:
+        reply = json.loads(raw)
+    except ValueError:
+        raise EndpointError(f"--endpoint {url}: the reply is not JSON (it begins {_shown(raw)}); is this the "
+                            f"server's /v1 URL?") from None
     try:
         choice = reply["choices"][0]
-        return choice["message"]["content"] or "", choice.get("finish_reason") == "length"
-    except (KeyError, IndexError, TypeError):
-        raise EndpointError(f"{url}: unexpected reply {str(reply)[:300]}") from None
+        content = choice["message"].get("content")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise EndpointError(f"--endpoint {url}: not a chat completion: {_shown(raw)}") from None
+    text = content_text(content) if content is not None else ""
+    if text is None:
+        raise EndpointError(f"--endpoint {url}: the answer's content is neither text nor text parts: {_shown(raw)}")
+    return text, choice.get("finish_reason") == "length"
+
+
+def _shown(raw: bytes | str, n: int = 120) -> str:
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    text = " ".join(text.split())
+    return repr(text[:n] + ("..." if len(text) > n else ""))
 
 
 def prompt_ids(tok, conversations: list[list[dict]], max_prompt_tokens: int) -> list[list[int]]:
@@ -98,7 +146,7 @@ class LocalGenerator:
 
     def __init__(self, cfg: RegenerateConfig, model=None, tokenizer=None):
         if model is None:
-            model, tokenizer = load_verifier(cfg.verifier, dtype=cfg.dtype)
+            model, tokenizer = load_verifier(cfg.verifier, dtype=cfg.dtype, device=resolve_device(cfg.device))
         self.tok, self.cfg = tokenizer, cfg
         self.engine = Engine(model, max_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 16)
         self.gcfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -154,15 +202,77 @@ def regenerate(cfg: RegenerateConfig, generator=None) -> dict:
     """Run `regenerate`; returns counts."""
     out = Path(cfg.output)
     check_writable(out, "--output", is_dir=False)
-    cfg.dtype = engine_dtype(cfg.dtype, cfg.engine)
+    if cfg.engine == "paradraft" and not cfg.endpoint:  # paradraft's engine runs here: on which device (before work)
+        cfg.device = resolve_device(cfg.device)
+    cfg.dtype = engine_dtype(cfg.dtype, cfg.engine, cfg.device if cfg.device != "auto" else "cpu")
     if cfg.engine == "vllm" and generator is None:
         find_vllm_python(cfg.vllm_python)  # before the work: a missing vLLM is a one-line error
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and generator is None and cfg.engine == "paradraft":
+        return _regenerate_ranks(cfg, out, rank, world)
     with output_lock(out, "--output"):  # two regenerate runs appending to one file would interleave
-        return _regenerate(cfg, out, generator)
+        result = _regenerate(cfg, out, generator)
+    result.pop("order", None)
+    return result
 
 
-def _regenerate(cfg: RegenerateConfig, out: Path, generator) -> dict:
-    finished = done_ids(out)
+def _part(out: Path, rank: int, world: int) -> Path:
+    return out.parent / f".{out.name}.rank{rank}-of-{world}.jsonl"
+
+
+def _parts(out: Path) -> list[Path]:
+    """The rank files of a torchrun regeneration into `out` (any world size: a killed run's are resumed)."""
+    return sorted(out.parent.glob(f".{out.name}.rank*-of-*.jsonl"))
+
+
+def _regenerate_ranks(cfg: RegenerateConfig, out: Path, rank: int, world: int) -> dict:
+    """Under torchrun: rank r answers the conversations r, r + N, ... of the ones not yet written, into its own rank
+    file beside --output; then rank 0 appends every answer to --output in the order one process writes them, so
+    N processes write exactly the file one process writes (greedy; tested). Rank 0 holds --output's lock."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")  # the collectives here are barriers; each rank decodes on its own device
+    part = _part(out, rank, world)
+    with contextlib.ExitStack() as locks:
+        locks.enter_context(output_lock(out if rank == 0 else part, "--output"))
+        if rank == 0:
+            locks.enter_context(output_lock(part, "--output"))
+        result = _regenerate(cfg, out, None, share=(rank, world, part))
+        dist.barrier()  # every rank file is complete
+        if rank == 0:
+            result = _merge_parts(cfg, out, result)
+        dist.barrier()
+    result.pop("order", None)
+    return result
+
+
+def _merge_parts(cfg: RegenerateConfig, out: Path, result: dict) -> dict:
+    """Append the rank files' records to `out` in the order of `result["order"]` (then any others), fsync'd, and
+    remove the rank files."""
+    recs: dict[str, str] = {}
+    for p in _parts(out):
+        for line in p.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                recs.setdefault(json.loads(line)["id"], line)
+    order = [i for i in result["order"] if i in recs] + sorted(set(recs) - set(result["order"]))
+    with open(out, "a", encoding="utf-8") as fh:
+        for i in order:
+            fh.write(recs[i] + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    for p in _parts(out):
+        p.unlink()
+    print(f"[regenerate] {len(order)} answers of {int(os.environ.get('WORLD_SIZE', 1))} ranks -> {out}")
+    result = {**result, "written": len(order)}
+    result.pop("order", None)
+    return result
+
+
+def _regenerate(cfg: RegenerateConfig, out: Path, generator, share: tuple | None = None) -> dict:
+    finished = done_ids(out, writer_name(cfg))
+    for p in _parts(out) if share else []:  # answers a killed torchrun run left in rank files
+        finished |= done_ids(p, writer_name(cfg))
     skipped: dict[str, int] = {}
     convs = []
     for spec in cfg.data:
@@ -171,6 +281,9 @@ def _regenerate(cfg: RegenerateConfig, out: Path, generator) -> dict:
                 skipped[item.reason] = skipped.get(item.reason, 0) + 1
             else:
                 convs.append(item)
+    if not convs:
+        raise RegenerateError(f"--data {' '.join(cfg.data)}: no usable conversation"
+                              + (f"; skipped: {dict(sorted(skipped.items()))}" if skipped else ""))
     random.Random(cfg.seed).shuffle(convs)
     # the first user turn (with any system turn) must fit --max-prompt-tokens: longer prompts are skipped, counted
     tok = getattr(generator, "tok", None)
@@ -192,6 +305,10 @@ def _regenerate(cfg: RegenerateConfig, out: Path, generator) -> dict:
         kept.append(c)
     convs = kept
     todo = [c for c in convs if c["id"] not in finished]
+    order = [c["id"] for c in todo]
+    if share:  # this rank's share under torchrun, written to its own rank file
+        rank, world, out = share
+        todo = todo[rank::world]
     torch.manual_seed(cfg.seed)
     if generator is None:
         if cfg.endpoint:
@@ -207,7 +324,7 @@ def _regenerate(cfg: RegenerateConfig, out: Path, generator) -> dict:
         else:
             generator = LocalGenerator(cfg)
     try:
-        return _write_answers(cfg, out, generator, todo, convs, skipped)
+        return {**_write_answers(cfg, out, generator, todo, convs, skipped), "order": order}
     finally:
         if hasattr(generator, "close"):
             generator.close()
@@ -218,7 +335,8 @@ def _write_answers(cfg: RegenerateConfig, out: Path, generator, todo: list, conv
     tok_count = getattr(getattr(generator, "tok", None), "encode", None)
 
     bar = tqdm(total=len(todo), desc="regenerate", unit=" conv", disable=None)
-    t0, new_tokens, written, n_truncated = time.time(), 0, 0, 0
+    t0, new_tokens, written, n_truncated, n_empty = time.time(), 0, 0, 0, 0
+    writer = writer_name(cfg)
     with open(out, "a", encoding="utf-8") as fh:
         for b in range(0, len(todo), cfg.batch_size):
             batch = todo[b:b + cfg.batch_size]
@@ -227,6 +345,7 @@ def _write_answers(cfg: RegenerateConfig, out: Path, generator, todo: list, conv
             for c in batch:
                 prefixes.append([m for m in c["messages"] if m["role"] == "system"][:1])
             users = [[m for m in c["messages"] if m["role"] == "user"][:cfg.max_turns] for c in batch]
+            empty: set[int] = set()
             for turn in range(cfg.max_turns):
                 active = [i for i in range(len(batch)) if turn < len(users[i])]
                 if not active:
@@ -237,14 +356,20 @@ def _write_answers(cfg: RegenerateConfig, out: Path, generator, todo: list, conv
                 for i, ans in zip(active, answers):
                     # a generator returns answers, or (answer, truncated) pairs
                     ans, truncated = (ans, False) if isinstance(ans, str) else ans
-                    msg = {"role": "assistant", "content": ans}
+                    if not (ans or "").strip():  # no text is no answer: the conversation is not finished
+                        empty.add(i)
+                    msg = {"role": "assistant", "content": ans or ""}
                     if truncated:
                         msg["truncated"] = True
                         n_truncated += 1
                     prefixes[i].append(msg)
                     new_tokens += len(tok_count(ans)) if tok_count else len(ans.split())
-            for c, msgs in zip(batch, prefixes):
-                fh.write(json.dumps({"id": c["id"], "messages": msgs}, ensure_ascii=False) + "\n")
+            for i, (c, msgs) in enumerate(zip(batch, prefixes)):
+                if i in empty:
+                    n_empty += 1
+                    continue
+                fh.write(json.dumps({"id": c["id"], "messages": msgs, "verifier": writer},
+                                    ensure_ascii=False) + "\n")
                 written += 1
             fh.flush()
             os.fsync(fh.fileno())
@@ -253,9 +378,17 @@ def _write_answers(cfg: RegenerateConfig, out: Path, generator, todo: list, conv
     bar.close()
     secs = time.time() - t0
     result = {"written": written, "already_done": len(convs) - len(todo), "skipped": skipped,
-              "truncated": n_truncated, "new_tokens": new_tokens, "seconds": round(secs, 2),
+              "truncated": n_truncated, "empty_answers": n_empty, "new_tokens": new_tokens,
+              "seconds": round(secs, 2),
               "new_tokens_per_s": round(new_tokens / secs, 1) if secs > 0 else None,
               "engine": "endpoint" if cfg.endpoint else cfg.engine}
     print(f"[regenerate] {written} new ({n_truncated} answers cut at --max-new-tokens, marked \"truncated\": their "
           f"end-of-turn is not trained), {result['already_done']} already done -> {out}")
+    if n_empty:
+        where = f"--endpoint {cfg.endpoint}" if cfg.endpoint else f"verifier {cfg.verifier}"
+        msg = (f"{n_empty} conversation(s) got an empty answer from {where} and were not written (a rerun asks "
+               f"again)")
+        if not written:
+            raise EndpointError(msg + "; no answer had any text") if cfg.endpoint else RegenerateError(msg)
+        print(f"[regenerate] {msg}")
     return result

@@ -31,12 +31,39 @@ def resolve_dtype(name: str, device: str = "cpu") -> str:
     return fast_dtype(device) if name == "auto" else name
 
 
-def engine_dtype(name: str, engine: str = "paradraft") -> str:
-    """The dtype a decoding command (`generate`, `bench`, `regenerate`) runs in: `auto` resolved for the engine's
-    device: paradraft's engine runs on the CPU, vLLM on the GPU when there is one."""
+def engine_dtype(name: str, engine: str = "paradraft", device: str = "cpu") -> str:
+    """The dtype a decoding command (`generate`, `bench`, `regenerate`) runs in: `auto` resolved for the device the
+    engine runs on (paradraft's engine: `device`, resolved by resolve_device; vLLM: the GPU when there is one)."""
     import torch
 
-    return resolve_dtype(name, "cuda" if engine == "vllm" and torch.cuda.is_available() else "cpu")
+    if engine == "vllm":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_dtype(name, device)
+
+
+def resolve_device(name: str, flag: str = "--device") -> str:
+    """THE device rule of every command that runs a model: `auto` is the GPU when torch sees one (cuda:LOCAL_RANK
+    under torchrun) and the CPU otherwise; `cuda` is cuda:LOCAL_RANK under torchrun; asking for a GPU that is not
+    there is a one-line error (UserError naming the flag)."""
+    import torch
+
+    from .errors import UserError
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if name == "auto":
+        return f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return "cpu"
+    if not name.startswith("cuda"):
+        raise UserError(f"{flag} {name!r}: give auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "torch sees no GPU"
+        raise UserError(f"{flag} {name}: no CUDA device here ({why}); use --device cpu or auto")
+    index = local if name == "cuda" else int(name.split(":", 1)[1])
+    if index >= torch.cuda.device_count():
+        raise UserError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                        f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    return f"cuda:{index}"
 
 
 def umask() -> int:
@@ -91,8 +118,28 @@ def write_json(path: str | Path, obj, indent: int = 2) -> None:
 
 def read_json(path: str | Path):
     """Read a JSON file."""
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8-sig") as fh:  # a byte-order mark (some editors write one) is not JSON
         return json.load(fh)
+
+
+def read_json_input(path: str | Path, error: type[Exception], what: str, keys: tuple[str, ...] = ()) -> dict:
+    """A JSON object from a file the user handed in (a manifest, a config): anything unreadable, not an object, or
+    missing one of `keys` is `error` naming the file and what it should have been, never a traceback."""
+    path = Path(path)
+    try:
+        d = read_json(path)
+    except FileNotFoundError:
+        raise error(f"{path}: missing ({what} needs it)") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:80]}); the {what} is damaged") from None
+    except OSError as e:
+        raise error(f"{path}: cannot be read ({e.strerror})") from None
+    if not isinstance(d, dict):
+        raise error(f"{path}: holds a JSON {type(d).__name__}, not an object; the {what} is damaged")
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise error(f"{path}: lacks {', '.join(missing)}; the {what} is damaged or was not written by paradraft")
+    return d
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
@@ -115,9 +162,61 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         fh.write(text)
 
 
+def _write_failure(e: Exception, path: str | Path) -> OSError:
+    """An OSError for a writer that failed without one (safetensors and torch.save report a full disk as their own
+    exception types), so that the CLI answers a full disk with one line naming the file; errno ENOSPC when the
+    filesystem is (nearly) full, EIO otherwise."""
+    import errno
+
+    try:
+        st = os.statvfs(Path(path).parent)
+        full = st.f_bavail * st.f_frsize < (64 << 20)
+    except OSError:
+        full = False
+    full = full or "os error 28" in str(e) or "No space left" in str(e)
+    code = errno.ENOSPC if full else errno.EIO
+    err = OSError(code, os.strerror(code) + ("" if full else f" ({type(e).__name__}: {e})"), str(path))
+    return err
+
+
 def save_tensors(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
     """Write a safetensors file atomically."""
     from safetensors.torch import save_file
 
     with atomic_path(path) as tmp:
-        save_file(tensors, tmp, metadata=metadata)
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+        except OSError:
+            raise
+        except Exception as e:  # SafetensorError: I/O errors (a full disk) come as this type
+            if "I/O error" not in str(e):
+                raise
+            raise _write_failure(e, path) from None
+
+
+def save_npy(path: str | Path, array) -> None:
+    """np.save; numpy reports a short write on a full disk as an OSError without an errno ("N requested and M
+    written"), which becomes ENOSPC here so that the CLI names the file in one line."""
+    import numpy as np
+
+    try:
+        np.save(path, array)
+    except OSError as e:
+        if e.errno is not None:
+            raise
+        raise _write_failure(e, path) from None
+
+
+def save_torch(obj, path: str | Path) -> None:
+    """torch.save, atomically; a failed write (torch reports a full disk as a RuntimeError) is an OSError."""
+    import torch
+
+    with atomic_path(path) as tmp:
+        try:
+            torch.save(obj, tmp)
+        except OSError:
+            raise
+        except RuntimeError as e:
+            if "inline_container" not in str(e) and "write" not in str(e).lower():
+                raise
+            raise _write_failure(e, path) from None

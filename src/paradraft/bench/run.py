@@ -16,6 +16,7 @@ Metrics (one definition, here):
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
@@ -32,9 +33,9 @@ from ..data.template import encode_prompt, stop_token_ids
 from ..decode.engine import Engine, GenerationConfig, GenerationError
 from ..decode.generate import read_prompts
 from ..errors import DataError
-from ..models.checkpoint import load_drafter
-from ..outputs import check_writable
-from ..utils import engine_dtype, fingerprint, read_json, sha256_file, write_json
+from ..models.checkpoint import load_drafter, recorded_k
+from ..outputs import PNG_MARK, claim_file, output_lock
+from ..utils import atomic_path, engine_dtype, fingerprint, read_json, resolve_device, sha256_file, write_json
 from ..verifier import load_tokenizer, load_verifier
 from ..vllm_driver import find_vllm_python
 from .metrics import median_speedup, speedup_per_repeat, tokens_per_s
@@ -108,7 +109,7 @@ def _run_prompt_lookup(model, prompts, g: GenerationConfig, k: int, pad_id) -> d
     t0 = time.perf_counter()
     try:
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=model.device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=g.max_new_tokens,
                                  do_sample=False, prompt_lookup_num_tokens=k, eos_token_id=g.eos_token_ids,
                                  pad_token_id=pad_id)
@@ -121,16 +122,30 @@ def _run_prompt_lookup(model, prompts, g: GenerationConfig, k: int, pad_id) -> d
             "accepted": None, "draft_s": 0.0, "verify_s": 0.0}
 
 
-@torch.inference_mode()  # scoped: a global grad switch would leak into whatever runs next (e.g. training)
 def bench(cfg: BenchConfig) -> dict:
     """Run `paradraft bench`; returns the results dict (also written to cfg.output). With --reuse, results of
     this exact benchmark already in --output (same identity) are shown instead of measured again."""
-    check_writable(cfg.output, "--output", is_dir=False)  # before the work, not after it
+    claim_file(cfg.output, "bench", "--output")  # before the work, not after it
     if cfg.plot:
-        check_writable(cfg.plot, "--plot", is_dir=False)
+        if Path(cfg.plot).expanduser().resolve() == Path(cfg.output).expanduser().resolve():
+            raise GenerationError(f"--plot {cfg.plot} is --output too; give the plot its own path")
+        claim_file(cfg.plot, "plot", "--plot")
+    with contextlib.ExitStack() as locks:  # one bench per output file at a time
+        locks.enter_context(output_lock(cfg.output, "--output"))
+        if cfg.plot:
+            locks.enter_context(output_lock(cfg.plot, "--plot"))
+        return _bench(cfg)
+
+
+@torch.inference_mode()  # scoped: a global grad switch would leak into whatever runs next (e.g. training)
+def _bench(cfg: BenchConfig) -> dict:
     if cfg.engine == "vllm":
         find_vllm_python(cfg.vllm_python)  # before the work: a missing vLLM is a one-line error
-    cfg.dtype = engine_dtype(cfg.dtype, cfg.engine)  # recorded resolved: results say what they were measured in
+    if cfg.engine == "paradraft":
+        cfg.device = resolve_device(cfg.device)  # before the work; recorded resolved, as the dtype is
+    cfg.dtype = engine_dtype(cfg.dtype, cfg.engine, cfg.device)  # recorded resolved: results say what they ran in
+    if not cfg.num_speculative_tokens:  # the K each drafter was trained and recorded for (resolved: recorded too)
+        cfg.num_speculative_tokens = sorted({recorded_k(p) for p in cfg.drafter}) or [3]
     identity = bench_identity(cfg)
     if cfg.reuse and Path(cfg.output).is_file():
         try:
@@ -155,12 +170,12 @@ def bench(cfg: BenchConfig) -> dict:
         results, extra = bench_vllm(cfg, prompts, stop_token_ids(tok), logs)
         shutil.rmtree(logs)
         return _finish(cfg, identity, prompts, results, threads=None, extra={"engine": "vllm", **extra})
-    model, tok = load_verifier(cfg.verifier, dtype=cfg.dtype)
+    model, tok = load_verifier(cfg.verifier, dtype=cfg.dtype, device=cfg.device)
     prompts = load_prompts(cfg.dataset, cfg.num_prompts, tok, cfg.data)
     eos = stop_token_ids(tok)
     drafters = []
     for path in cfg.drafter:
-        d = load_drafter(path, verifier=model, verifier_name=cfg.verifier, force=cfg.force)
+        d = load_drafter(path, verifier=model, verifier_name=cfg.verifier, force=cfg.force, device=cfg.device)
         d = d.to(getattr(torch, cfg.dtype))
         limit = d.max_draft_tokens()
         if limit is not None and max(cfg.num_speculative_tokens) > limit:
@@ -229,7 +244,8 @@ def _finish(cfg: BenchConfig, identity: str, prompts, results: list, threads, ex
     """Write, print and plot a benchmark's results (either engine: one schema)."""
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "verifier": cfg.verifier, "dataset": cfg.dataset,
            "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-           "dtype": cfg.dtype, "repeats": cfg.repeats, "threads": threads, "identity": identity, **extra,
+           "dtype": cfg.dtype, "device": cfg.device, "repeats": cfg.repeats, "threads": threads,
+           "identity": identity, **extra,
            "results": results}
     write_json(cfg.output, out)
     print(format_table(out))
@@ -301,6 +317,7 @@ def plot_results(out: dict, path: str | Path) -> Path:
     engine = f", {out['engine']}'s engine" if out.get("engine") else ""
     fig.suptitle(f"{out['verifier']} on {out['dataset']}, T={out['temperature']}{engine}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_path(path) as tmp:  # the PNG marker makes it recognisable as paradraft's (outputs.claim_file)
+        fig.savefig(tmp, dpi=110, format="png", metadata={"Software": f"{PNG_MARK} bench"})
     plt.close(fig)
     return Path(path)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ..config import parse_shard
 from ..errors import UserError
 from ..outputs import check_replaceable, claim_dir, write_marker
-from ..utils import read_json, resolve_dtype, save_tensors, sha256_file, write_json
+from ..utils import read_json, read_json_input, resolve_device, resolve_dtype, save_tensors, sha256_file, write_json
 from ..verifier import Tap, compute_samples, default_aux_layers, load_verifier, load_verifier_config, resolve_verifier
 from .prepare import PreparedDataset
 from .vllm_hidden import VllmHiddenStates, check_supported
@@ -71,20 +71,21 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
     out = Path(cfg.output)
     if cfg.validate:
         return validate(out)
+    device = resolve_device(cfg.device)  # before any work: a GPU that is not there is a one-line error
     ds = PreparedDataset(cfg.data)
     claim_dir(out, "hidden_states", "--output", legacy=lambda p: (p / "identity.json").is_file())
     verifier_name = cfg.verifier or ds.manifest["verifier"]
     engine = cfg.engine
     # the verifier computes in `compute_dtype` and the shards store `dtype`: `auto` computes in the fast dtype of the
     # device (float32 on a CPU without AMX, where bf16 is the slow path) and stores bfloat16 (half the disk)
-    compute_dtype = resolve_dtype(cfg.dtype, "cuda" if engine == "vllm" else cfg.device)
+    compute_dtype = resolve_dtype(cfg.dtype, "cuda" if engine == "vllm" else device)
     dtype = getattr(torch, "bfloat16" if cfg.dtype == "auto" else cfg.dtype)
     if engine == "vllm":
         check_supported(cfg.vllm_python)  # before anything is written: on CPU it cannot work, and says why
         vcfg = load_verifier_config(verifier_name)
     else:
         if model is None:
-            model, tokenizer = load_verifier(verifier_name, dtype=compute_dtype, device=cfg.device)
+            model, tokenizer = load_verifier(verifier_name, dtype=compute_dtype, device=device)
         vcfg = model.config
     L, H = vcfg.num_hidden_layers, vcfg.hidden_size
     layer_ids = resolve_layers(L, cfg.layers)
@@ -132,7 +133,7 @@ def extract(cfg, model=None, tokenizer=None) -> dict:
     else:
         tap = Tap(model, layer_ids)
         pad = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0)
-        compute = HfHiddenStates(tap, cfg.batch_tokens, cfg.device, pad)
+        compute = HfHiddenStates(tap, cfg.batch_tokens, device, pad)
     bar = tqdm(total=sum(lengths_kept[i] for s in todo for i in shards[s]), unit="tok", unit_scale=True,
                desc="extract", disable=None)
     t0 = time.time()
@@ -261,7 +262,8 @@ def validate(path: str | Path) -> dict:
         except HiddenStateError as e:
             bad.append(str(e))
     if bad:
-        raise HiddenStateError("validation failed:\n  " + "\n  ".join(bad))
+        raise HiddenStateError(f"--output {path}: {len(bad)} of {hs.num_shards} shards failed validation: "
+                               + "; ".join(bad))
     print(f"[extract] {path}: {hs.num_shards} shards, {hs.manifest['num_tokens']} tokens: all valid")
     return {"valid": True, "num_shards": hs.num_shards}
 
@@ -275,9 +277,15 @@ class HiddenStates:
         if not mp.is_file():
             raise HiddenStateError(f"{self.path} has no manifest.json: the extraction is missing or unfinished "
                                    f"(rerun the same `paradraft extract` command to complete it)")
-        self.manifest = read_json(mp)
+        self.manifest = read_json_input(mp, HiddenStateError, "extraction",
+                                        ("num_shards", "layer_ids", "shards", "hidden_size", "aux_size", "num_tokens"))
         self.num_shards = self.manifest["num_shards"]
         self.layer_ids = self.manifest["layer_ids"]
+        shards = self.manifest["shards"]
+        if not isinstance(shards, list) or len(shards) != self.num_shards or not all(
+                isinstance(x, dict) and {"file", "sha256", "num_tokens"} <= set(x) for x in shards):
+            raise HiddenStateError(f"{mp}: its shard list does not describe {self.num_shards} shards; the extraction "
+                                   f"is damaged: extract again")
         self._verified: set[int] = set()
 
     def load_shard(self, k: int, verify: bool = True) -> list[dict]:
@@ -296,6 +304,9 @@ class HiddenStates:
                 t = {name: fh.get_tensor(name) for name in fh.keys()}
         except Exception as e:
             raise HiddenStateError(f"shard {f} cannot be read: {e}") from None
+        missing = [k for k in ("aux", "last", "input_ids", "loss_mask", "offsets", "sample_index") if k not in t]
+        if missing:
+            raise HiddenStateError(f"shard {f} lacks {', '.join(missing)}; it is not an extraction shard")
         H = self.manifest["hidden_size"]
         n_tok = info["num_tokens"]
         if t["aux"].shape != (n_tok, self.manifest["aux_size"]) or t["input_ids"].shape[0] != n_tok \

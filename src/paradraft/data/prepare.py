@@ -23,7 +23,7 @@ from tqdm import tqdm
 from ..config import PrepareConfig, config_to_dict
 from ..errors import DataError, UserError
 from ..outputs import check_replaceable, claim_dir, output_lock, replace_dir
-from ..utils import fingerprint, read_json, write_json
+from ..utils import fingerprint, read_json, read_json_input, save_npy, write_json
 from ..verifier import load_tokenizer
 from .sources import Skip, read_source, source_fingerprint
 from .template import TemplateError, segment_conversation, set_chat_template, template_info, tokenize_segments
@@ -107,6 +107,8 @@ def _prepare(cfg: PrepareConfig, tokenizer, info, identity: dict, out: Path) -> 
                 skipped["duplicate"] += 1
                 continue
             seen.add(key)
+            if item.get("tool_turns_left_out"):  # OpenAI tool turns: not text the verifier writes, counted
+                skipped["tool_turns_left_out"] += item["tool_turns_left_out"]
             convs.append(item)
     random.Random(cfg.seed).shuffle(convs)
 
@@ -165,11 +167,11 @@ def _prepare(cfg: PrepareConfig, tokenizer, info, identity: dict, out: Path) -> 
         "config": config_to_dict(cfg), "identity": identity, "seconds": round(time.time() - t0, 2),
     }
     with replace_dir(out, "dataset", "--output") as tmp:
-        np.save(tmp / "input_ids.npy", input_ids)
-        np.save(tmp / "loss_mask.npy", loss_mask)
-        np.save(tmp / "offsets.npy", offsets)
-        np.save(tmp / "split.npy", split)
-        np.save(tmp / "token_freqs.npy", freqs)
+        save_npy(tmp / "input_ids.npy", input_ids)
+        save_npy(tmp / "loss_mask.npy", loss_mask)
+        save_npy(tmp / "offsets.npy", offsets)
+        save_npy(tmp / "split.npy", split)
+        save_npy(tmp / "token_freqs.npy", freqs)
         write_json(tmp / "sample_ids.json", [s[0] for s in samples], indent=0)
         write_json(tmp / "manifest.json", manifest)  # written last: its presence marks a complete dataset
     print(f"[prepare] {n} samples ({n - n_val} train, {n_val} val), {manifest['num_tokens']} tokens, "
@@ -188,12 +190,35 @@ class PreparedDataset:
         self.path = Path(path)
         if not (self.path / "manifest.json").is_file():
             raise DataError(f"{self.path} is not a prepared dataset (no manifest.json); run `paradraft prepare`")
-        self.manifest = read_json(self.path / "manifest.json")
-        self.input_ids = np.load(self.path / "input_ids.npy", mmap_mode="r")
-        self.loss_mask = np.load(self.path / "loss_mask.npy", mmap_mode="r")
-        self.offsets = np.load(self.path / "offsets.npy")
-        self.split = np.load(self.path / "split.npy")
+        self.manifest = read_json_input(self.path / "manifest.json", DataError, "prepared dataset",
+                                        ("num_samples", "verifier"))
+        self.input_ids = self._array("input_ids.npy", mmap=True)
+        self.loss_mask = self._array("loss_mask.npy", mmap=True)
+        self.offsets = self._array("offsets.npy")
+        self.split = self._array("split.npy")
         self._ids: list[str] | None = None
+        n = len(self.offsets) - 1
+        if n < 0 or int(self.offsets[-1]) != len(self.input_ids) or \
+                len(self.loss_mask) != len(self.input_ids) or len(self.split) != n or \
+                n != self.manifest["num_samples"] or (n and (np.diff(self.offsets) < 0).any()):
+            end = int(self.offsets[-1]) if n >= 0 else "?"
+            raise DataError(f"{self.path}: its arrays disagree (offsets end at {end}, {len(self.input_ids)} "
+                            f"tokens, {len(self.loss_mask)} mask entries, {len(self.split)} split entries, the "
+                            f"manifest says {self.manifest['num_samples']} samples); the dataset is damaged: "
+                            f"prepare it again")
+
+    def _array(self, name: str, mmap: bool = False) -> np.ndarray:
+        f = self.path / name
+        try:
+            a = np.load(f, mmap_mode="r" if mmap else None, allow_pickle=False)
+        except FileNotFoundError:
+            raise DataError(f"{f}: missing; the dataset is incomplete: prepare it again") from None
+        except (ValueError, OSError, EOFError) as e:  # truncated, not .npy, an object array
+            raise DataError(f"{f}: cannot be read ({type(e).__name__}: {str(e)[:80]}); the dataset is damaged: "
+                            f"prepare it again") from None
+        if a.ndim != 1:
+            raise DataError(f"{f}: has shape {a.shape}, not one dimension; the dataset is damaged: prepare it again")
+        return a
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -202,7 +227,15 @@ class PreparedDataset:
     def sample_ids(self) -> list[str]:
         """Sample ids, in storage order."""
         if self._ids is None:
-            self._ids = read_json(self.path / "sample_ids.json")
+            try:
+                ids = read_json(self.path / "sample_ids.json")
+            except (OSError, ValueError) as e:
+                raise DataError(f"{self.path / 'sample_ids.json'}: cannot be read ({type(e).__name__}); the dataset "
+                                f"is damaged: prepare it again") from None
+            if not isinstance(ids, list) or len(ids) != len(self):
+                raise DataError(f"{self.path / 'sample_ids.json'}: does not list the dataset's {len(self)} samples; "
+                                f"the dataset is damaged: prepare it again")
+            self._ids = ids
         return self._ids
 
     def indices(self, split: str = "train") -> np.ndarray:
@@ -218,7 +251,7 @@ class PreparedDataset:
 
     def token_freqs(self) -> np.ndarray:
         """Counts of loss-masked train tokens [vocab_size]."""
-        return np.load(self.path / "token_freqs.npy")
+        return self._array("token_freqs.npy")
 
 
 def preview(path: str | Path, tokenizer, n: int, stream=None) -> None:

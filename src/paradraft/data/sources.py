@@ -53,8 +53,35 @@ def _package_file(package: str, *parts: str, pip_name: str) -> Path:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+TOOL_ROLES = ("tool", "function", "ipython")
+
+
+def content_text(content) -> str | None:
+    """A message's text: a string, or the text parts of an OpenAI content-part list joined by newlines (image and
+    audio parts carry no text and are left out). None when it is neither."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif not (isinstance(part, dict) and isinstance(part.get("type"), str)):
+            return None  # not a content part at all
+    return "\n".join(texts)
+
+
 def normalize(record, source: str, fallback_id: str) -> dict | Skip:
-    """One raw record (ShareGPT `conversations` or OpenAI `messages`) -> conversation or Skip."""
+    """One raw record (ShareGPT `conversations` or OpenAI `messages`) -> conversation or Skip.
+
+    OpenAI-style records are read as the API writes them: content-part lists keep their text parts; tool turns
+    (role tool / function) and assistant turns that only call tools are left out and counted in the conversation's
+    `tool_turns_left_out`; an assistant turn with text and tool calls keeps its text. Consecutive turns of one role
+    that this leaves are joined."""
     if not isinstance(record, dict):
         return Skip("malformed_record", source)
     if isinstance(record.get("conversations"), list):
@@ -63,16 +90,32 @@ def normalize(record, source: str, fallback_id: str) -> dict | Skip:
         raw, role_key, content_key = record["messages"], "role", "content"
     else:
         return Skip("malformed_record", source)
-    messages = []
+    messages: list[dict] = []
+    tool_turns = 0
     for m in raw:
-        if not isinstance(m, dict) or not isinstance(m.get(role_key), str) or not isinstance(m.get(content_key), str):
+        if not isinstance(m, dict) or not isinstance(m.get(role_key), str):
             return Skip("malformed_record", source)
-        if _SURROGATE.search(m[content_key]) or _SURROGATE.search(m[role_key]):
+        role_name = m[role_key].strip().lower()
+        if role_name in TOOL_ROLES:
+            tool_turns += 1
+            continue
+        calls = m.get("tool_calls") or m.get("function_call")
+        text = content_text(m.get(content_key))
+        if text is None and not (calls and m.get(content_key) is None):
+            return Skip("malformed_record", source)
+        text = text or ""
+        if _SURROGATE.search(text) or _SURROGATE.search(m[role_key]):
             return Skip("undecodable", source)  # bytes that are not UTF-8 (or lone surrogates): never trained
-        role = ROLE_ALIASES.get(m[role_key].strip().lower())
+        role = ROLE_ALIASES.get(role_name)
         if role is None:
             return Skip("unknown_role", source)
-        msg = {"role": role, "content": m[content_key]}
+        if calls and not text.strip():
+            tool_turns += 1  # an assistant turn that only calls tools: nothing to train
+            continue
+        if messages and messages[-1]["role"] == role and role != "system":  # left by a skipped tool turn
+            messages[-1]["content"] += "\n\n" + text
+            continue
+        msg = {"role": role, "content": text}
         if role == "assistant" and m.get("truncated") is True:
             msg["truncated"] = True  # cut at the length limit (regenerate): its end-of-turn is not trained
         messages.append(msg)
@@ -87,7 +130,10 @@ def normalize(record, source: str, fallback_id: str) -> dict | Skip:
     if all(not m["content"].strip() for m in assistants):
         return Skip("empty_assistant_content", source)
     rid = record.get("id", fallback_id)
-    return {"id": f"{source}:{rid}", "messages": messages}
+    conv = {"id": f"{source}:{rid}", "messages": messages}
+    if tool_turns:
+        conv["tool_turns_left_out"] = tool_turns
+    return conv
 
 
 def _stream_json_array(path: Path, chunk_chars: int = 1 << 22) -> Iterator[object]:
@@ -96,7 +142,7 @@ def _stream_json_array(path: Path, chunk_chars: int = 1 << 22) -> Iterator[objec
     Yields `Skip("truncated_record")` once if the file ends in the middle of an element.
     """
     dec = json.JSONDecoder()
-    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as fh:
         buf, pos, eof = "", 0, False
         started = False
         while True:
@@ -134,13 +180,13 @@ def _stream_json_array(path: Path, chunk_chars: int = 1 << 22) -> Iterator[objec
 
 def read_json_file(path: Path, source: str) -> Iterator[dict | Skip]:
     """ShareGPT JSON array, or JSONL of ShareGPT / OpenAI-messages records."""
-    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as fh:  # -sig: a byte-order mark is not data
         head = fh.read(4096).lstrip()
     if head.startswith("["):
         for i, rec in enumerate(_stream_json_array(path)):
             yield Skip(rec.reason, source) if isinstance(rec, Skip) else normalize(rec, source, str(i))
         return
-    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as fh:
         for i, line in enumerate(fh):
             if not line.strip():
                 continue
@@ -158,7 +204,11 @@ def read_datasets_dir(path: Path, source: str) -> Iterator[dict | Skip]:
         import datasets
     except ImportError as e:  # pragma: no cover - datasets is a dev/data extra
         raise SourceError("reading a datasets directory needs `pip install datasets`") from e
-    ds = datasets.load_from_disk(str(path))
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as e:  # a directory that is not a saved dataset
+        raise SourceError(f"--data {path}: a directory, but not one `datasets.save_to_disk` wrote "
+                          f"({str(e).splitlines()[0][:120]})") from None
     if isinstance(ds, datasets.DatasetDict):
         ds = ds["train"] if "train" in ds else ds[list(ds.keys())[0]]
     for i, rec in enumerate(ds):

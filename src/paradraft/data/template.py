@@ -35,11 +35,32 @@ class TemplateInfo:
 def set_chat_template(tokenizer, chat_template_file: str | None) -> None:
     """Install `--chat-template FILE` on the tokenizer, or fail clearly when it has none at all."""
     if chat_template_file:
-        tokenizer.chat_template = Path(chat_template_file).read_text(encoding="utf-8")
+        path = Path(chat_template_file).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8-sig")
+        except FileNotFoundError:
+            raise TemplateError(f"--chat-template {path}: no such file") from None
+        except IsADirectoryError:
+            raise TemplateError(f"--chat-template {path}: is a directory; give a Jinja template file") from None
+        except UnicodeDecodeError:
+            raise TemplateError(f"--chat-template {path}: not a text file (not UTF-8)") from None
+        except OSError as e:
+            raise TemplateError(f"--chat-template {path}: cannot be read ({e.strerror})") from None
+        if not text.strip():
+            raise TemplateError(f"--chat-template {path}: the file is empty")
+        tokenizer.chat_template = text
     if not getattr(tokenizer, "chat_template", None):
         raise TemplateError(
             f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
             f"pass --chat-template FILE with a Jinja chat template")
+    where = f"--chat-template {chat_template_file}" if chat_template_file else \
+        f"the chat template of {getattr(tokenizer, 'name_or_path', '')!r}"
+    try:  # a template that does not compile, or fails on the plainest conversation, is the user's to fix
+        _render(tokenizer, [{"role": "user", "content": PROBE_USER}], add_generation_prompt=True)
+    except Exception as e:  # jinja2 TemplateSyntaxError / UndefinedError / TypeError raised inside the template
+        line = getattr(e, "lineno", None)
+        raise TemplateError(f"{where}: cannot be rendered{f' (line {line})' if line else ''}: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
 
 
 def _render(tokenizer, messages, add_generation_prompt: bool) -> str:

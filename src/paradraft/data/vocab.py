@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from ..config import VocabConfig
 from ..errors import UserError
-from ..outputs import OutputError, check_writable
-from ..utils import read_json, save_tensors, write_json
+from ..outputs import claim_file, output_lock
+from ..utils import save_tensors, write_json
 from ..verifier import embedding_rows, load_tokenizer
 from .prepare import PreparedDataset
 from .template import PROBE_ANSWER, PROBE_USER, special_token_strings
@@ -95,26 +95,28 @@ def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
     return d2t + torch.arange(len(d2t), device=d2t.device, dtype=d2t.dtype)
 
 
-def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, meta: dict | None = None) -> None:
-    """Write d2t/t2d to a safetensors file (and a small JSON summary beside it, `NAME.json`), atomically."""
+def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, meta: dict | None = None,
+               flag: str = "--output") -> None:
+    """Write d2t/t2d to a safetensors file (and a small JSON summary beside it, `NAME.json`), atomically. Either
+    file may replace only a vocabulary (or its summary) paradraft wrote (outputs.claim_file)."""
     path = Path(path)
+    side = claim_vocab_output(path, flag)
+    with output_lock(path, flag, reentrant=True):
+        save_tensors({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, path,
+                     metadata={"paradraft": "vocab", **{k: str(v) for k, v in (meta or {}).items()}})
+        write_json(side, {"draft_vocab_size": len(d2t), "target_vocab_size": len(t2d), **(meta or {})})
+
+
+def claim_vocab_output(path: str | Path, flag: str = "--output") -> Path:
+    """Check (before any work) that the vocabulary file and its summary beside it may be written; the summary path."""
+    path = Path(path)
+    if path.suffix == ".json":
+        raise VocabError(f"{flag} {path}: the vocabulary is a safetensors file and its summary is written beside it "
+                         f"as NAME.json; give a path ending in .safetensors")
+    claim_file(path, "vocab", flag)
     side = path.with_suffix(".json")
-    check_writable(path, "--output", is_dir=False)
-    if side.exists() and not _is_vocab_summary(side):
-        raise OutputError(f"--output {path}: {side} exists and is not a vocabulary summary paradraft wrote; "
-                          f"choose another --output")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_tensors({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, path,
-                 metadata={k: str(v) for k, v in (meta or {}).items()})
-    write_json(side, {"draft_vocab_size": len(d2t), "target_vocab_size": len(t2d), **(meta or {})})
-
-
-def _is_vocab_summary(path: Path) -> bool:
-    try:
-        d = read_json(path)
-    except (OSError, ValueError):
-        return False
-    return isinstance(d, dict) and "draft_vocab_size" in d and "target_vocab_size" in d
+    claim_file(side, "vocab_summary", flag)
+    return side
 
 
 def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +136,12 @@ def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def vocab(cfg: VocabConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `paradraft vocab`."""
-    check_writable(cfg.output, "--output", is_dir=False)
+    claim_vocab_output(cfg.output)  # before any work
+    with output_lock(cfg.output, "--output"):  # a second vocab run on the same output is refused, not raced
+        return _vocab(cfg)
+
+
+def _vocab(cfg: VocabConfig) -> tuple[torch.Tensor, torch.Tensor]:
     sets = [PreparedDataset(p) for p in cfg.data]
     verifier = cfg.verifier or sets[0].manifest["verifier"]
     tok = load_tokenizer(verifier)

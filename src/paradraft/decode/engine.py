@@ -54,9 +54,10 @@ class Result:
 class Engine:
     """Generate with a verifier and an optional drafter (P-EAGLE or EAGLE-3)."""
 
-    def __init__(self, verifier, drafter=None, max_len: int = 4096):
+    def __init__(self, verifier, drafter=None, max_len: int = 4096, max_len_flag: str | None = None):
         self.verifier = verifier
         self.drafter = drafter
+        self.max_len_flag = max_len_flag  # the flag that sets max_len in the calling command, if it has one
         aux = list(drafter.cfg.aux_layer_ids) if drafter is not None else []
         self.runner = make_runner(verifier, aux, max_batch=1, max_len=max_len)
         self.vocab = verifier.config.vocab_size
@@ -91,14 +92,16 @@ class Engine:
         g, dev = st.g, self.runner.device
         for b, p in enumerate(prompts):
             if len(p) + g.max_new_tokens + g.num_speculative_tokens + 1 > self.runner.max_len:
+                fix = f"raise {self.max_len_flag}" if self.max_len_flag else "shorten the prompt or --max-new-tokens"
                 raise GenerationError(f"prompt {b} of {len(p)} tokens + {g.max_new_tokens} new tokens exceeds the "
-                                      f"KV cache ({self.runner.max_len} tokens, --max-len)")
+                                      f"KV cache of {self.runner.max_len} tokens; {fix}")
             logits, aux = self.runner.forward(torch.tensor([p], device=dev), rows=torch.tensor([b], device=dev),
                                               last_only=True)  # [1, 1, V]: only the last position's logits
             x = int(self._token(logits[0, -1], st))
             st.emit(b, [x], accepted=None)
             if self.drafter is not None:
-                st.ctx[b] = (torch.tensor(p[1:] + [x]), aux[0].float(), torch.arange(1, len(p) + 1))
+                st.ctx[b] = (torch.tensor(p[1:] + [x], device=dev), aux[0].float(),
+                             torch.arange(1, len(p) + 1, device=dev))
 
     def plain_step(self, st: _State, active: list[int]) -> None:
         """One verifier pass of plain decoding: one new token per active row."""
@@ -117,7 +120,7 @@ class Engine:
         hids = torch.cat([st.ctx[r][1] for r in active]).to(d.fc.weight.dtype)
         pos = torch.cat([st.ctx[r][2] for r in active])
         counts = [int(st.ctx[r][0].numel()) for r in active]
-        doc = torch.tensor(active)  # each row is its own document in the shared drafter cache
+        doc = torch.tensor(active, device=toks.device)  # each row is its own document in the shared drafter cache
 
         def choose(draft_logits):  # [..., Vd] -> (target ids [...], q [..., V], None at T=0: greedy needs no q)
             if st.g.temperature <= 0 and self.ascending:  # the first max in draft order is the first in target order
@@ -150,7 +153,9 @@ class Engine:
             new = draft[j, :m].tolist() + [int(nxt[j])]
             st.emit(b, new, accepted=m, draft_s=draft_s, verify_s=verify_s)
             last_pos = int(start[j])  # position of the pending token fed this round
-            st.ctx[b] = (torch.tensor(new), aux[j, :m + 1].float(), torch.arange(last_pos + 1, last_pos + m + 2))
+            dev = aux.device
+            st.ctx[b] = (torch.tensor(new, device=dev), aux[j, :m + 1].float(),
+                         torch.arange(last_pos + 1, last_pos + m + 2, device=dev))
 
     def speculative_step(self, st: _State, active: list[int]) -> None:
         """draft -> verify -> accept for the active rows."""
@@ -172,7 +177,7 @@ class Engine:
             raise GenerationError(f"--num-speculative-tokens {g.num_speculative_tokens}: this drafter was trained "
                                   f"on {limit} depths; draft at most {limit}")
         self.runner.alloc(len(prompts))
-        st = _State(g, len(prompts), on_tokens)
+        st = _State(g, len(prompts), on_tokens, device=self.runner.device)
         self.prefill(st, prompts)
         active = [b for b in range(len(prompts)) if not st.finished(b)]
         while active:
@@ -194,9 +199,9 @@ class _State:
     """What one `generate` call carries between steps: results, each row's pending token and new drafter
     context slots, the drafter cache, the sampling generator."""
 
-    def __init__(self, g: GenerationConfig, batch: int, on_tokens=None):
+    def __init__(self, g: GenerationConfig, batch: int, on_tokens=None, device="cpu"):
         self.g, self.on_tokens = g, on_tokens
-        self.gen = torch.Generator().manual_seed(g.seed)
+        self.gen = torch.Generator(device=device).manual_seed(g.seed)  # on the device its samples are drawn on
         self.res = [Result(token_ids=[]) for _ in range(batch)]
         self.pending = torch.zeros(batch, dtype=torch.long)
         self.ctx: list[tuple | None] = [None] * batch  # (tokens, hidden, positions) of new drafter context slots

@@ -13,8 +13,8 @@ from ..config import GenerateConfig
 from ..data.template import encode_prompt, stop_token_ids
 from ..errors import UserError
 from ..models.checkpoint import load_drafter
-from ..outputs import check_writable
-from ..utils import engine_dtype, write_text_atomic
+from ..outputs import claim_file, output_lock
+from ..utils import engine_dtype, resolve_device, write_text_atomic
 from ..verifier import load_verifier
 from .engine import Engine, GenerationConfig
 
@@ -29,10 +29,14 @@ def read_prompts(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise PromptError(f"--prompts {path}: no such file")
-    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
+    if path.is_dir():
+        raise PromptError(f"--prompts {path}: is a directory; give a JSONL file")
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue
+            if any("\ud800" <= ch <= "\udfff" for ch in line):
+                raise PromptError(f"{path}:{n}: not UTF-8 text")
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
@@ -47,26 +51,37 @@ def read_prompts(path: str | Path) -> list[dict]:
     return out
 
 
-def load_engine(verifier_name: str, drafter: str | None, dtype: str, force: bool = False, max_len: int = 4096):
-    """(engine, tokenizer) ready to generate; `dtype` may be `auto` (utils.engine_dtype)."""
-    dtype = engine_dtype(dtype)
-    model, tok = load_verifier(verifier_name, dtype=dtype)
+def load_engine(verifier_name: str, drafter: str | None, dtype: str, force: bool = False, max_len: int = 4096,
+                device: str = "auto"):
+    """(engine, tokenizer) ready to generate on `device` (utils.resolve_device); `dtype` may be `auto`
+    (utils.engine_dtype on that device)."""
+    device = resolve_device(device)
+    dtype = engine_dtype(dtype, device=device)
+    model, tok = load_verifier(verifier_name, dtype=dtype, device=device)
     d = None
     if drafter:
-        d = load_drafter(drafter, verifier=model, verifier_name=verifier_name, force=force).to(getattr(torch, dtype))
-    return Engine(model, d, max_len=max_len), tok
+        d = load_drafter(drafter, verifier=model, verifier_name=verifier_name, force=force, device=device)
+        d = d.to(getattr(torch, dtype))
+    return Engine(model, d, max_len=max_len, max_len_flag="--max-len"), tok
+
+
+def generate(cfg: GenerateConfig) -> list[dict]:
+    """Run `paradraft generate`."""
+    if not cfg.output:
+        return _generate(cfg)
+    claim_file(cfg.output, "generate", "--output")  # fail before generating, not after
+    with output_lock(cfg.output, "--output"):
+        return _generate(cfg)
 
 
 @torch.inference_mode()  # scoped, not a global switch
-def generate(cfg: GenerateConfig) -> list[dict]:
-    """Run `paradraft generate`."""
-    if cfg.output:  # fail before generating, not after
-        check_writable(cfg.output, "--output", is_dir=False)
+def _generate(cfg: GenerateConfig) -> list[dict]:
     recs = [{"id": "0", "prompt": cfg.prompt}] if cfg.prompt is not None else read_prompts(cfg.prompts)
-    engine, tok = load_engine(cfg.verifier, cfg.drafter, cfg.dtype, cfg.force, cfg.max_len)
+    engine, tok = load_engine(cfg.verifier, cfg.drafter, cfg.dtype, cfg.force, cfg.max_len, cfg.device)
     eos = stop_token_ids(tok)
+    k = cfg.num_speculative_tokens or (engine.drafter.cfg.num_speculative_tokens if engine.drafter else 1)
     g = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                         top_k=cfg.top_k, num_speculative_tokens=cfg.num_speculative_tokens, seed=cfg.seed,
+                         top_k=cfg.top_k, num_speculative_tokens=k, seed=cfg.seed,
                          eos_token_ids=eos)
     results = []
     stream = cfg.stream and cfg.batch_size == 1

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from ..config import ExportConfig
-from ..models.checkpoint import CheckpointError, legacy_drafter, load_drafter, save_drafter
+from ..models.checkpoint import CheckpointError, legacy_drafter, load_drafter, recorded_verifier, save_drafter
 from ..models.registry import drafter_class
-from ..outputs import claim_dir
-from ..verifier import load_verifier, resolve_verifier
+from ..outputs import claim_dir, output_lock
+from ..verifier import load_verifier_config, resolve_verifier, verifier_tensor
 
 
 def speculative_config(drafter_dir: str, algorithm: str, k: int) -> dict:
@@ -33,18 +33,25 @@ def export(cfg: ExportConfig) -> Path:
     claim_dir(cfg.output, "drafter", "--output", legacy=legacy_drafter)  # before any work
     if Path(cfg.output).resolve() == Path(cfg.drafter).resolve():
         raise CheckpointError(f"--output {cfg.output} is the drafter being exported; choose another --output")
-    probe = load_drafter(cfg.drafter, verifier=None, allow_missing_embeddings=True)
-    verifier_name = cfg.verifier or probe.cfg.verifier
+    with output_lock(cfg.output, "--output"):  # a second export to the same output is refused, not raced
+        return _export(cfg)
+
+
+def _export(cfg: ExportConfig) -> Path:
+    verifier_name = cfg.verifier or recorded_verifier(cfg.drafter)
     if not verifier_name:
         raise CheckpointError(f"{cfg.drafter} records no verifier; pass --verifier")
-    model, _ = load_verifier(verifier_name, dtype=torch.float32)
+    # only the verifier's config is read (and its embedding, for a checkpoint that has none): export needs no more,
+    # so a drafter for a 120B verifier exports on a laptop
+    vcfg = load_verifier_config(verifier_name)
     # the draft layer's style is the draft config's model_type, and vLLM picks its draft model by that alone
     # (llama -> Eagle3LlamaForCausalLM, qwen3 -> Eagle3Qwen3ForCausalLM) whatever the verifier: a q/k-norm layer
     # (`train --draft-layer qwen3`, the reference trainer's P-EAGLE layer) serves a Llama verifier too, as `make
     # test-vllm` proves on the embedded SmolLM2
-    drafter = load_drafter(cfg.drafter, verifier=model, verifier_name=verifier_name, force=cfg.force)
+    drafter = load_drafter(cfg.drafter, verifier_config=vcfg, verifier_name=verifier_name, force=cfg.force,
+                           embeddings=lambda: verifier_tensor(verifier_name, "embed_tokens.weight"))
     drafter.cfg.verifier = resolve_verifier(verifier_name)  # a path or id vLLM can open
-    drafter.cfg.verifier_architectures = list(model.config.architectures or [])
+    drafter.cfg.verifier_architectures = list(vcfg.architectures or [])
     if cfg.num_speculative_tokens:
         limit = drafter.max_draft_tokens()
         if limit is not None and cfg.num_speculative_tokens > limit:

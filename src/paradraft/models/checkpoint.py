@@ -36,6 +36,55 @@ class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be read, or does not fit the verifier."""
 
 
+def nonfinite_tensors(state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding NaN or infinity (a diverged training run)."""
+    return [k for k, v in state_dict.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
+def check_finite(state_dict: dict[str, torch.Tensor], what: str) -> None:
+    """THE rule that no drafter with non-finite weights is ever saved, exported or loaded (CheckpointError)."""
+    bad = nonfinite_tensors(state_dict)
+    if bad:
+        raise CheckpointError(f"{what}: weights hold NaN or infinity ({', '.join(bad[:4])}"
+                              f"{', ...' if len(bad) > 4 else ''}); training diverged: train it again with a lower "
+                              f"`paradraft train --lr`")
+
+
+POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "num_layers", "max_position_embeddings", "vocab_size", "draft_vocab_size", "num_speculative_tokens")
+
+
+def config_problems(cfg: DraftConfig) -> list[str]:
+    """Every value of a drafter config that no drafter can have (a hand-edited or corrupt config.json)."""
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    bad = [f"{k} {getattr(cfg, k)!r} (a whole number >= 1)" for k in POSITIVE_INTS
+           if not whole(getattr(cfg, k)) or getattr(cfg, k) < 1]
+    for k in ("target_hidden_size", "num_depths"):
+        v = getattr(cfg, k)
+        if v is not None and (not whole(v) or v < 1):
+            bad.append(f"{k} {v!r} (a whole number >= 1)")
+    if bad:
+        return bad
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        bad.append(f"num_attention_heads {cfg.num_attention_heads} is not a multiple of num_key_value_heads "
+                   f"{cfg.num_key_value_heads}")
+    if cfg.draft_vocab_size > cfg.vocab_size:
+        bad.append(f"draft_vocab_size {cfg.draft_vocab_size} exceeds vocab_size {cfg.vocab_size}")
+    if not isinstance(cfg.rms_norm_eps, (int, float)) or isinstance(cfg.rms_norm_eps, bool) or \
+            not 0 < cfg.rms_norm_eps < 1:
+        bad.append(f"rms_norm_eps {cfg.rms_norm_eps!r} (a number in (0, 1))")
+    if not isinstance(cfg.aux_layer_ids, list) or not all(whole(i) and i >= 0 for i in cfg.aux_layer_ids) or \
+            len(cfg.aux_layer_ids) not in (0, 3):
+        bad.append(f"eagle_aux_hidden_state_layer_ids {cfg.aux_layer_ids!r} (3 layer ids >= 0)")
+    if cfg.mask_token_id is not None and (not whole(cfg.mask_token_id) or not 0 <= cfg.mask_token_id < cfg.vocab_size):
+        bad.append(f"mask_token_id {cfg.mask_token_id!r} (a token id below vocab_size {cfg.vocab_size})")
+    if not isinstance(cfg.rope_parameters, dict):
+        bad.append(f"rope parameters {cfg.rope_parameters!r} (a mapping)")
+    return bad
+
+
 def build_drafter(cfg: DraftConfig) -> DraftModel:
     """An untrained drafter of cfg.algorithm (any registered algorithm)."""
     return drafter_class(cfg.algorithm)(cfg)
@@ -107,8 +156,9 @@ def write_drafter(model: DraftModel, directory: str | Path, extra_provenance: di
     cfg = speculators_config(model)
     if dtype is not None:
         cfg["torch_dtype"] = str(dtype).replace("torch.", "")
-    save_tensors(drafter_state_dict(model, dtype, state_dict), directory / "model.safetensors",
-                 metadata={"format": "pt"})
+    weights = drafter_state_dict(model, dtype, state_dict)
+    check_finite(weights, f"drafter for {directory}")
+    save_tensors(weights, directory / "model.safetensors", metadata={"format": "pt"})
     write_json(directory / "provenance.json", provenance(extra_provenance))
     write_json(directory / "config.json", cfg)
 
@@ -127,7 +177,7 @@ def save_drafter(model: DraftModel, path: str | Path, extra_provenance: dict | N
     (holding nothing else); anything else is refused naming `flag`."""
     path = Path(path)
     claim_dir(path, "drafter", flag, legacy=legacy_drafter)
-    with output_lock(path, flag), replace_dir(path, "drafter", flag) as tmp:
+    with output_lock(path, flag, reentrant=True), replace_dir(path, "drafter", flag) as tmp:
         write_drafter(model, tmp, extra_provenance, dtype, state_dict)
     return path
 
@@ -246,10 +296,13 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_drafter(path: str | Path, verifier=None, verifier_name: str | None = None, force: bool = False,
-                 device: str = "cpu", allow_missing_embeddings: bool = False) -> DraftModel:
+                 device: str = "cpu", allow_missing_embeddings: bool = False, verifier_config=None,
+                 embeddings=None) -> DraftModel:
     """Load a drafter (paradraft / speculators format, or the original EAGLE-3 layout).
 
-    With `verifier` given, check it fits (and take the verifier's embeddings if the checkpoint has none).
+    With `verifier` (a loaded model) or `verifier_config` (its Hugging Face config alone) given, check it fits. A
+    checkpoint without embed_tokens.weight takes the verifier's: from `verifier`, or from `embeddings()` (a callable
+    that reads that one tensor, so that no more of a large verifier is materialised than the drafter uses).
     Anything unreadable or inconsistent is a CheckpointError naming the file.
     """
     path = Path(path)
@@ -262,6 +315,7 @@ def load_drafter(path: str | Path, verifier=None, verifier_name: str | None = No
     if not isinstance(cfg_json, dict):
         raise CheckpointError(f"{path / 'config.json'} does not hold a JSON object")
     sd = _read_weights(path)
+    check_finite(sd, str(path / "model.safetensors"))
     try:
         if _is_original_eagle3(cfg_json, sd.keys()):
             cfg = config_from_original_eagle3(cfg_json)
@@ -272,13 +326,19 @@ def load_drafter(path: str | Path, verifier=None, verifier_name: str | None = No
         raise CheckpointError(f"{path}: {e}") from None
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path / 'config.json'}: missing or malformed key ({type(e).__name__}: {e})") from None
-    if verifier is not None:
-        check_compatible(cfg, verifier.config, verifier_name, force)
+    problems = config_problems(cfg)
+    if problems:
+        raise CheckpointError(f"{path / 'config.json'}: impossible values: " + "; ".join(problems))
+    vcfg = verifier.config if verifier is not None else verifier_config
+    if vcfg is not None:
+        check_compatible(cfg, vcfg, verifier_name, force)
         if not cfg.aux_layer_ids:
-            cfg.aux_layer_ids = default_aux_layers(verifier.config.num_hidden_layers)
+            cfg.aux_layer_ids = default_aux_layers(vcfg.num_hidden_layers)
     if "embed_tokens.weight" not in sd:
         if verifier is not None:
             sd["embed_tokens.weight"] = verifier.get_input_embeddings().weight.detach().float()
+        elif embeddings is not None:
+            sd["embed_tokens.weight"] = embeddings().float()
         elif allow_missing_embeddings:
             sd["embed_tokens.weight"] = torch.zeros(cfg.vocab_size, cfg.hidden_size)
         else:
@@ -288,7 +348,11 @@ def load_drafter(path: str | Path, verifier=None, verifier_name: str | None = No
         sd = drafter_class(cfg.algorithm).state_dict_from_checkpoint(sd, cfg)
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    model = build_drafter(cfg)
+    try:
+        model = build_drafter(cfg)
+    except (RuntimeError, ValueError, TypeError, KeyError, ZeroDivisionError) as e:  # values no layer can take
+        raise CheckpointError(f"{path / 'config.json'}: describes a drafter that cannot be built "
+                              f"({type(e).__name__}: {e})") from None
     if cfg.draft_vocab_size == cfg.vocab_size:
         sd.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         sd.setdefault("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
@@ -302,6 +366,38 @@ def load_drafter(path: str | Path, verifier=None, verifier_name: str | None = No
     model.d2t = model.d2t.long()
     model.t2d = model.t2d.bool()
     return model.to(device).float()
+
+
+def recorded_verifier(path: str | Path) -> str:
+    """The verifier a drafter checkpoint records (config.json alone; "" when it records none)."""
+    f = Path(path) / "config.json"
+    try:
+        cfg = read_json(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a drafter checkpoint (needs config.json and model.safetensors)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f} is not valid JSON ({type(e).__name__}: {e})") from None
+    spec = cfg.get("speculators_config") if isinstance(cfg, dict) else None
+    name = ((spec or {}).get("verifier") or {}).get("name_or_path") if isinstance(spec, dict) else None
+    if not name and isinstance(cfg, dict) and isinstance(cfg.get("paradraft"), dict):
+        name = cfg["paradraft"].get("verifier")
+    return name if isinstance(name, str) else ""
+
+
+def recorded_k(path: str | Path) -> int:
+    """The K a drafter checkpoint records for serving (config.json, read alone); CheckpointError if unreadable."""
+    f = Path(path) / "config.json"
+    try:
+        cfg = read_json(f)
+        k = cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a drafter checkpoint (needs config.json and model.safetensors)") from None
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        raise CheckpointError(f"{f}: records no K (speculators_config.proposal_methods[0].speculative_tokens); "
+                              f"give --num-speculative-tokens") from None
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise CheckpointError(f"{f}: its recorded K {k!r} is not a whole number >= 1")
+    return k
 
 
 def check_compatible(cfg: DraftConfig, vcfg, verifier_name: str | None = None, force: bool = False) -> None:

@@ -35,9 +35,10 @@ class Eagle3Drafter(DraftModel):
 
     def propose(self, tokens, hidden, positions, counts, doc, k, cache, choose):
         """A context step over the new slots, then k-1 chain steps feeding the drafter's own hidden state forward."""
-        logits, h = self.context_step(tokens, hidden, positions, cache, doc=doc.repeat_interleave(torch.tensor(counts)))
+        counts_t = torch.tensor(counts, device=doc.device)  # [R] context slots per row
+        logits, h = self.context_step(tokens, hidden, positions, cache, doc=doc.repeat_interleave(counts_t))
         keep = len(cache)
-        ends = torch.tensor(counts).cumsum(0) - 1  # each row's last context slot
+        ends = counts_t.cumsum(0) - 1  # each row's last context slot
         hp, anchor = h[ends], positions[ends]  # [R, H], [R]
         x, q = choose(logits[ends])  # [R], [R, V]
         drafts, qs = [x], [q]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..utils import atomic_path
+
 
 def plot_metrics(metrics_path: str | Path, out_png: str | Path) -> Path:
     """Plot metrics.jsonl -> PNG (loss on the left, accuracy per depth on the right)."""
@@ -40,6 +42,7 @@ def plot_metrics(metrics_path: str | Path, out_png: str | Path) -> Path:
     ax2.set_title("per-depth training accuracy")
     fig.tight_layout()
     out_png = Path(out_png)
-    fig.savefig(out_png, dpi=110)
+    with atomic_path(out_png) as tmp:
+        fig.savefig(tmp, dpi=110, format="png", metadata={"Software": "paradraft train"})
     plt.close(fig)
     return out_png

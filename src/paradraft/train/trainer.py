@@ -32,7 +32,7 @@ from ..config import RESUME_MAY_CHANGE, TrainConfig, config_to_dict, field_defau
 from ..data.prepare import PreparedDataset
 from ..data.vocab import draft_to_target_ids, draft_vocabulary, load_vocab
 from ..errors import Paused, UserError
-from ..models.checkpoint import build_drafter, write_drafter
+from ..models.checkpoint import build_drafter, nonfinite_tensors, write_drafter
 from ..models.common import DraftConfig, DraftModel
 from ..models.loss import acceptance_estimate
 from ..models.registry import drafter_class
@@ -42,8 +42,10 @@ from ..utils import (
     fingerprint,
     json_safe,
     read_json,
+    resolve_device,
     resolve_dtype,
     save_tensors,
+    save_torch,
     write_json,
     write_text_atomic,
 )
@@ -285,10 +287,9 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, verifier=None, tokenizer=None):
         self.cfg = cfg
-        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        device = resolve_device(cfg.device)  # cuda:LOCAL_RANK under torchrun; a missing GPU is a one-line error
         self.dist = Distributed(device)
-        if device == "cuda" and self.dist.enabled:
-            device = f"cuda:{self.dist.local_rank}"
+        if device.startswith("cuda"):
             torch.cuda.set_device(device)
         self.device = device
         self.autocast = resolve_autocast(cfg.autocast, device)  # a resumed run keeps the dtype it started with
@@ -407,6 +408,15 @@ class Trainer:
         path = self.ckpt_dir / f"step-{self.step:07d}"
         tmp = self.ckpt_dir / f".tmp-step-{self.step:07d}"
         sd = full_state_dict(self.model)  # a collective under FSDP
+        bad = nonfinite_tensors(sd) if self.dist.main else []
+        if self.dist.enabled:  # every rank stops alike
+            flag = torch.tensor([float(len(bad))], device=self.device if self.device != "cpu" else "cpu")
+            torch.distributed.all_reduce(flag)
+            bad = bad or (["(on rank 0)"] if float(flag) > 0 else [])
+        if bad:
+            raise TrainingError(f"the weights hold NaN or infinity after step {self.step} ({', '.join(bad[:3])}; "
+                                f"the learning rate is too high or the data is broken): nothing saved; "
+                                f"the last good checkpoint is kept in {self.ckpt_dir}")
         if self.dist.main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -419,10 +429,10 @@ class Trainer:
         self.dist.barrier()
         # FSDP optimizer state is sharded: each rank keeps its own shard (resume with the same world size)
         if self.cfg.fsdp and self.dist.enabled:
-            torch.save({"opt": self.opt.state_dict()}, tmp / f"optimizer-{self.dist.rank}.pt")
+            save_torch({"opt": self.opt.state_dict()}, tmp / f"optimizer-{self.dist.rank}.pt")
         elif self.dist.main:
-            torch.save({"opt": self.opt.state_dict()}, tmp / "optimizer.pt")
-        torch.save(_rng_state(self.gen), tmp / f"rng-{self.dist.rank}.pt")
+            save_torch({"opt": self.opt.state_dict()}, tmp / "optimizer.pt")
+        save_torch(_rng_state(self.gen), tmp / f"rng-{self.dist.rank}.pt")
         self.dist.barrier()
         if self.dist.main:  # one rename makes the checkpoint exist; a kill before it leaves only .tmp-*
             shutil.rmtree(path, ignore_errors=True)
@@ -735,7 +745,7 @@ def train_identity(cfg: TrainConfig, data_identity: str, autocast: str | None = 
     run made in the dtype it resolves to here, whichever way that run spelled it."""
     kept = {k: v for k, v in config_to_dict(cfg).items()
             if k not in IDENTITY_IGNORES and not (k in LATER_FLAGS and v == LATER_FLAGS[k])}
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(cfg.device)
     kept["autocast"] = autocast or resolve_autocast(cfg.autocast, device)
     kept["verifier_dtype"] = verifier_dtype or resolve_dtype(cfg.verifier_dtype, device)
     return fingerprint({"config": kept, "data": data_identity})

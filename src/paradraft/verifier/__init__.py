@@ -26,6 +26,7 @@ from .load import (
     load_verifier,
     load_verifier_config,
     resolve_verifier,
+    verifier_tensor,
 )
 from .runner import GenericRunner, VerifierRunner, make_runner
 from .tap import Tap, batches_by_tokens, compute_samples
@@ -35,5 +36,5 @@ __all__ = [
     "VerifierRunner", "adapter_for", "batches_by_tokens", "cache_root", "check_tappable", "compute_samples",
     "decoder_layers", "default_aux_layers", "embedded_gguf_path", "embedded_model_dir", "embedding_rows",
     "flavour_of", "load_tokenizer", "load_verifier", "load_verifier_config", "make_runner", "register",
-    "registered_families", "resolve_verifier",
+    "registered_families", "resolve_verifier", "verifier_tensor",
 ]

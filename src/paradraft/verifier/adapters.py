@@ -123,5 +123,6 @@ def default_aux_layers(num_layers: int) -> list[int]:
     """EAGLE-3 default aux layer ids [2, L//2, L-3] for an L-layer verifier."""
     if num_layers < 7:  # fewer layers would tap one layer twice
         raise VerifierError(f"a {num_layers}-layer verifier is too shallow for 3 distinct default aux layers "
-                            f"[2, L//2, L-3] (it needs >= 7 layers); pass the layer ids explicitly (--layers)")
+                            f"[2, L//2, L-3] (it needs >= 7 layers); choose 3 with `paradraft extract --layers A,B,C` "
+                            f"and train offline on those hidden states")
     return [2, num_layers // 2, num_layers - 3]

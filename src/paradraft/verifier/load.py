@@ -129,6 +129,41 @@ def load_verifier(name: str, dtype: torch.dtype | str = torch.bfloat16, device: 
     return model, load_tokenizer(name)
 
 
+def verifier_tensor(name: str, suffix: str = "embed_tokens.weight"):
+    """One tensor of a verifier (the first whose name ends in `suffix`), read from its safetensors files alone:
+    nothing else of the model is materialised (an export of a drafter for a 120B verifier needs its embedding at
+    most). Works for a local directory and for a hub id already in the local cache."""
+    import json
+
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    path = resolve_verifier(name)
+
+    def locate(fname):
+        try:
+            return cached_file(path, fname, _raise_exceptions_for_missing_entries=False)
+        except OSError:
+            return None
+    index = locate("model.safetensors.index.json")
+    if index:
+        with open(index, encoding="utf-8") as fh:
+            weight_map = json.load(fh)["weight_map"]
+        key = next((k for k in sorted(weight_map) if k.endswith(suffix)), None)
+        files = [(key, weight_map[key])] if key else []
+    else:
+        files = [(None, "model.safetensors")]
+    for key, fname in files:
+        f = locate(fname)
+        if not f:
+            break
+        with safe_open(f, framework="pt") as fh:
+            key = key or next((k for k in sorted(fh.keys()) if k.endswith(suffix)), None)
+            if key is not None:
+                return fh.get_tensor(key)
+    raise VerifierError(f"--verifier {name}: no safetensors tensor named *{suffix} found")
+
+
 def embedding_rows(name: str) -> int:
     """Rows of a verifier's embedding (its config's vocab_size), read from the config alone. A padded vocabulary
     (Qwen3: 151,936 rows for 151,669 tokens) has more rows than the tokenizer has tokens; vocabularies, drafters
