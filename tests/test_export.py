@@ -129,3 +129,44 @@ def test_import_original_eagle3_layout(tmp_path):
     assert "layers.0.hidden_norm.weight" in written
     # export read the verifier's embedding from its safetensors file alone (verifier_tensor), not the whole model
     assert torch.equal(written["embed_tokens.weight"], verifier.get_input_embeddings().weight.detach().float())
+
+
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_streamed_export_equals_the_model_path(tmp_path, algorithm, dtype):
+    """export streams a speculators-format checkpoint tensor by tensor in row chunks: the same file contents as
+    loading the drafter whole and writing it, for every dtype; with a chunk smaller than one tensor too; and a
+    checkpoint without embed_tokens.weight takes the verifier's, read from its safetensors alone."""
+    from transformers import AutoModelForCausalLM
+
+    import paradraft.models.checkpoint as ck
+    from paradraft.models.checkpoint import write_drafter
+
+    vdir = save_tiny_verifier(tmp_path)
+    verifier = AutoModelForCausalLM.from_pretrained(vdir)
+    d = trained_like(verifier, algorithm)
+    save_drafter(d, tmp_path / "trained")
+    ck.STREAM_CHUNK_BYTES, old = 4096, ck.STREAM_CHUNK_BYTES  # many chunks per matrix
+    try:
+        out = export(ExportConfig(drafter=str(tmp_path / "trained"), output=str(tmp_path / "exp"), dtype=dtype,
+                                  num_speculative_tokens=2))
+    finally:
+        ck.STREAM_CHUNK_BYTES = old
+    whole = load_drafter(tmp_path / "trained", verifier=verifier)
+    whole.cfg.verifier, whole.cfg.num_speculative_tokens = str(vdir), 2
+    whole.cfg.verifier_architectures = ["LlamaForCausalLM"]
+    (tmp_path / "ref").mkdir()
+    write_drafter(whole, tmp_path / "ref", dtype=getattr(torch, dtype))
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "ref" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    ca, cb = (json.loads((p / "config.json").read_text()) for p in (out, tmp_path / "ref"))
+    assert ca == cb
+    # a checkpoint without its embedding (vLLM shares the verifier's): the verifier's rows are written
+    sd = load_file(str(tmp_path / "trained" / "model.safetensors"))
+    del sd["embed_tokens.weight"]
+    if algorithm == "peagle":
+        return  # P-EAGLE's trained mask row lives in the embedding: train always writes it
+    save_file(sd, str(tmp_path / "trained" / "model.safetensors"))
+    out2 = export(ExportConfig(drafter=str(tmp_path / "trained"), output=str(tmp_path / "exp2"), dtype="float32"))
+    emb = load_file(str(out2 / "model.safetensors"))["embed_tokens.weight"]
+    assert torch.equal(emb, verifier.get_input_embeddings().weight.detach().float())

@@ -9,9 +9,17 @@ from pathlib import Path
 import torch
 
 from ..config import ExportConfig
-from ..models.checkpoint import CheckpointError, legacy_drafter, load_drafter, recorded_verifier, save_drafter
+from ..models.checkpoint import (
+    CheckpointError,
+    check_k,
+    legacy_drafter,
+    load_drafter,
+    recorded_verifier,
+    stream_export,
+    write_drafter,
+)
 from ..models.registry import drafter_class
-from ..outputs import claim_dir, output_lock
+from ..outputs import claim_dir, output_lock, replace_dir
 from ..verifier import load_verifier_config, resolve_verifier, verifier_tensor
 
 
@@ -48,19 +56,31 @@ def _export(cfg: ExportConfig) -> Path:
     # (llama -> Eagle3LlamaForCausalLM, qwen3 -> Eagle3Qwen3ForCausalLM) whatever the verifier: a q/k-norm layer
     # (`train --draft-layer qwen3`, the reference trainer's P-EAGLE layer) serves a Llama verifier too, as `make
     # test-vllm` proves on the embedded SmolLM2
-    drafter = load_drafter(cfg.drafter, verifier_config=vcfg, verifier_name=verifier_name, force=cfg.force,
-                           embeddings=lambda: verifier_tensor(verifier_name, "embed_tokens.weight"))
-    drafter.cfg.verifier = resolve_verifier(verifier_name)  # a path or id vLLM can open
-    drafter.cfg.verifier_architectures = list(vcfg.architectures or [])
-    if cfg.num_speculative_tokens:
-        limit = drafter.max_draft_tokens()
-        if limit is not None and cfg.num_speculative_tokens > limit:
-            raise CheckpointError(f"--num-speculative-tokens {cfg.num_speculative_tokens}: the drafter was trained "
-                                  f"on {limit} depths, so vLLM would draft untrained positions; at most {limit}")
-        drafter.cfg.num_speculative_tokens = cfg.num_speculative_tokens
-    out = save_drafter(drafter, cfg.output, dtype=getattr(torch, cfg.dtype),
-                       extra_provenance={"exported_from": str(Path(cfg.drafter).resolve())})
-    k = drafter.cfg.num_speculative_tokens
-    print(f"[export] {drafter.cfg.algorithm} drafter -> {out} ({cfg.dtype}); serve it with:")
-    print("  " + serve_command(drafter.cfg.verifier, str(Path(out).resolve()), drafter.cfg.algorithm, k))
+    updates = {"verifier": resolve_verifier(verifier_name),  # a path or id vLLM can open
+               "verifier_architectures": list(vcfg.architectures or [])}
+    extra = {"exported_from": str(Path(cfg.drafter).resolve())}
+    dtype = getattr(torch, cfg.dtype)
+
+    def embeddings():
+        return verifier_tensor(verifier_name, "embed_tokens.weight")
+    with replace_dir(cfg.output, "drafter", "--output") as tmp:
+        # tensor by tensor (peak memory: one chunk, whatever the drafter's size); other layouts (the original
+        # EAGLE-3 release) are small and go through the model
+        dcfg = stream_export(cfg.drafter, tmp, dtype, verifier_config=vcfg, verifier_name=verifier_name,
+                             force=cfg.force, embeddings=embeddings, updates=updates, k=cfg.num_speculative_tokens,
+                             extra_provenance=extra)
+        if dcfg is None:
+            drafter = load_drafter(cfg.drafter, verifier_config=vcfg, verifier_name=verifier_name, force=cfg.force,
+                                   embeddings=embeddings)
+            for key, v in updates.items():
+                setattr(drafter.cfg, key, v)
+            if cfg.num_speculative_tokens:
+                check_k(drafter, cfg.num_speculative_tokens)
+                drafter.cfg.num_speculative_tokens = cfg.num_speculative_tokens
+            write_drafter(drafter, tmp, extra, dtype)
+            dcfg = drafter.cfg
+    out = Path(cfg.output)
+    k = dcfg.num_speculative_tokens
+    print(f"[export] {dcfg.algorithm} drafter -> {out} ({cfg.dtype}); serve it with:")
+    print("  " + serve_command(dcfg.verifier, str(out.resolve()), dcfg.algorithm, k))
     return out

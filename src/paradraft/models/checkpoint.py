@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
+import math
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +29,7 @@ from safetensors.torch import load_file
 from .. import __version__
 from ..errors import UserError
 from ..outputs import claim_dir, output_lock, replace_dir
-from ..utils import read_json, save_tensors, write_json
+from ..utils import atomic_path, read_json, save_tensors, write_json
 from ..verifier import default_aux_layers
 from .common import DraftConfig, DraftModel
 from .registry import algorithms, drafter_class
@@ -295,6 +298,34 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{path} is not a drafter checkpoint (needs config.json and model.safetensors)")
 
 
+def _config_json(path: Path) -> dict:
+    """A drafter directory's config.json as a dict (CheckpointError naming the file otherwise)."""
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} is not a drafter checkpoint (needs config.json and model.safetensors)")
+    try:
+        cfg_json = read_json(path / "config.json")
+    except ValueError as e:
+        raise CheckpointError(f"{path / 'config.json'} is not valid JSON ({e})") from None
+    if not isinstance(cfg_json, dict):
+        raise CheckpointError(f"{path / 'config.json'} does not hold a JSON object")
+    return cfg_json
+
+
+def _parse_config(path: Path, cfg_json: dict, original: bool) -> DraftConfig:
+    """The DraftConfig a config.json describes (the original EAGLE-3 layout or speculators'), checked for values
+    no drafter can have."""
+    try:
+        cfg = config_from_original_eagle3(cfg_json) if original else config_from_speculators(cfg_json)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path / 'config.json'}: missing or malformed key ({type(e).__name__}: {e})") from None
+    problems = config_problems(cfg)
+    if problems:
+        raise CheckpointError(f"{path / 'config.json'}: impossible values: " + "; ".join(problems))
+    return cfg
+
+
 def load_drafter(path: str | Path, verifier=None, verifier_name: str | None = None, force: bool = False,
                  device: str = "cpu", allow_missing_embeddings: bool = False, verifier_config=None,
                  embeddings=None) -> DraftModel:
@@ -306,29 +337,13 @@ def load_drafter(path: str | Path, verifier=None, verifier_name: str | None = No
     Anything unreadable or inconsistent is a CheckpointError naming the file.
     """
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path} is not a drafter checkpoint (needs config.json and model.safetensors)")
-    try:
-        cfg_json = read_json(path / "config.json")
-    except ValueError as e:
-        raise CheckpointError(f"{path / 'config.json'} is not valid JSON ({e})") from None
-    if not isinstance(cfg_json, dict):
-        raise CheckpointError(f"{path / 'config.json'} does not hold a JSON object")
+    cfg_json = _config_json(path)
     sd = _read_weights(path)
     check_finite(sd, str(path / "model.safetensors"))
-    try:
-        if _is_original_eagle3(cfg_json, sd.keys()):
-            cfg = config_from_original_eagle3(cfg_json)
-            sd = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in sd.items()}
-        else:
-            cfg = config_from_speculators(cfg_json)
-    except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path / 'config.json'}: missing or malformed key ({type(e).__name__}: {e})") from None
-    problems = config_problems(cfg)
-    if problems:
-        raise CheckpointError(f"{path / 'config.json'}: impossible values: " + "; ".join(problems))
+    original = _is_original_eagle3(cfg_json, sd.keys())
+    if original:
+        sd = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in sd.items()}
+    cfg = _parse_config(path, cfg_json, original)
     vcfg = verifier.config if verifier is not None else verifier_config
     if vcfg is not None:
         check_compatible(cfg, vcfg, verifier_name, force)
@@ -417,3 +432,165 @@ def check_compatible(cfg: DraftConfig, vcfg, verifier_name: str | None = None, f
     if recorded and given and recorded != given and not force:
         raise CheckpointError(f"drafter was trained for verifier {cfg.verifier!r}, not {given!r}; "
                               f"pass --force to use it anyway")
+
+
+def check_k(model: DraftModel, k: int) -> None:
+    """K may not exceed the depths a drafter was trained on (vLLM would draft untrained positions)."""
+    limit = model.max_draft_tokens()
+    if limit is not None and k > limit:
+        raise CheckpointError(f"--num-speculative-tokens {k}: the drafter was trained on {limit} depths, so vLLM "
+                              f"would draft untrained positions; at most {limit}")
+
+
+# ------------------------------------------------------------------------------------------ streaming export
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+              torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8"}
+STREAM_CHUNK_BYTES = 64 << 20
+
+
+def stream_export(path: str | Path, out_dir: Path, dtype: torch.dtype, *, verifier_config, verifier_name: str,
+                  force: bool, embeddings, updates: dict, k: int | None = None,
+                  extra_provenance: dict | None = None) -> DraftConfig | None:
+    """Export a speculators-format drafter (config.json + model.safetensors) tensor by tensor, in row chunks: every
+    weight is checked (names and shapes against the drafter its config describes, finite values) and converted to
+    `dtype` on its way to the new model.safetensors, so peak memory is one chunk (plus the verifier's embedding
+    when the checkpoint has none) whatever the drafter's size. `updates`: DraftConfig fields to change (verifier,
+    architectures); `k`: the K to record (checked against the depths trained). Writes config.json,
+    model.safetensors, provenance.json into `out_dir`; returns the config.
+    None for checkpoints of another layout (the caller loads those whole)."""
+    path = Path(path)
+    f = path / "model.safetensors"
+    cfg_json = _config_json(path)
+    if not f.is_file():
+        return None
+    reader = _StreamReader(f)
+    names = list(reader.header)
+    if _is_original_eagle3(cfg_json, names):
+        return None
+    cfg = _parse_config(path, cfg_json, original=False)
+    check_compatible(cfg, verifier_config, verifier_name, force)
+    if not cfg.aux_layer_ids:
+        cfg.aux_layer_ids = default_aux_layers(verifier_config.num_hidden_layers)
+    for key, value in updates.items():
+        setattr(cfg, key, value)
+    with torch.device("meta"):  # the drafter the config describes, without memory: its names and shapes
+        model = build_drafter(cfg)
+        if k:
+            check_k(model, k)
+            cfg.num_speculative_tokens = k
+        meta = {n: v for n, v in model.state_dict().items() if not n.startswith("rotary.")}
+        expected = {n: tuple(v.shape) for n, v in model.checkpoint_state_dict(meta).items()}
+        try:  # what the algorithm needs of a checkpoint (P-EAGLE: mask_hidden and a mask token in the vocabulary)
+            drafter_class(cfg.algorithm).state_dict_from_checkpoint(
+                {n: torch.empty(expected.get(n, (1,))) for n in {*names, "embed_tokens.weight"}}, cfg)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+    stored = [n for n in names if not n.startswith("rotary.")]
+    missing = sorted(set(expected) - set(stored) - {"embed_tokens.weight"})
+    unexpected = sorted(set(stored) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: weights do not match the config: missing {missing}, unexpected {unexpected}")
+    emb = embeddings().detach() if "embed_tokens.weight" not in stored else None
+    plan = []
+    for name in sorted(expected):
+        shape, src_dtype = (tuple(emb.shape), emb.dtype) if emb is not None and name == "embed_tokens.weight" \
+            else (reader.shape(name), reader.dtype(name))
+        if shape != expected[name] and not (name == "mask_hidden" and math.prod(shape) == math.prod(expected[name])):
+            raise CheckpointError(f"{path}: {name} has shape {list(shape)}, the config needs {list(expected[name])}")
+        plan.append((name, expected[name], dtype if src_dtype.is_floating_point else src_dtype))
+
+    def rows(name: str, a: int, b: int) -> torch.Tensor:  # rows a..b of a tensor (flattened to [rows, ...])
+        if emb is not None and name == "embed_tokens.weight":
+            return emb[a:b]
+        return reader.rows(name, a, b)
+    _write_stream(out_dir / "model.safetensors", plan, rows, what=str(f))
+    cfg_out = speculators_config(model)
+    cfg_out["torch_dtype"] = str(dtype).replace("torch.", "")
+    write_json(out_dir / "provenance.json", provenance(extra_provenance))
+    write_json(out_dir / "config.json", cfg_out)
+    return cfg
+
+
+class _StreamReader:
+    """Rows of the tensors of a safetensors file, read with plain reads (no memory map: a mapped file's pages count
+    as the process's memory once touched), so that reading a 4 GB checkpoint costs one chunk of memory."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with open(path, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > (64 << 20):
+                    raise ValueError("header too large")
+                header = json.loads(fh.read(n))
+            self.base = 8 + n
+            header.pop("__metadata__", None)
+            for meta in header.values():
+                _torch_dtype(meta["dtype"])
+                a, b = meta["data_offsets"]
+                if b - a != math.prod(meta["shape"]) * torch.empty(0, dtype=_torch_dtype(meta["dtype"])).element_size():
+                    raise ValueError("a tensor's byte range does not match its shape")
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+            raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); the file is truncated or "
+                                  f"corrupt") from None
+        if self.base + max([m["data_offsets"][1] for m in header.values()], default=0) > path.stat().st_size:
+            raise CheckpointError(f"{path} is shorter than its header says: the file is truncated")
+        self.header = header
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.header[name]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _torch_dtype(self.header[name]["dtype"])
+
+    def rows(self, name: str, a: int, b: int) -> torch.Tensor:
+        """Rows a..b of `name` (its first dimension; a 0- or 1-D tensor whole) -> tensor [b - a, ...]."""
+        meta, dt = self.header[name], self.dtype(name)
+        shape = self.shape(name)
+        if len(shape) < 2:
+            a, b, inner = 0, 1, math.prod(shape)
+        else:
+            b, inner = min(b, shape[0]), math.prod(shape[1:])
+        size = torch.empty(0, dtype=dt).element_size()
+        start = self.base + meta["data_offsets"][0] + a * inner * size
+        buf = bytearray((b - a) * inner * size)
+        with open(self.path, "rb") as fh:
+            fh.seek(start)
+            fh.readinto(buf)
+        t = torch.frombuffer(buf, dtype=dt) if buf else torch.empty(0, dtype=dt)
+        return t.reshape(shape) if len(shape) < 2 else t.reshape(b - a, *shape[1:])
+
+
+def _torch_dtype(st_name: str) -> torch.dtype:
+    for k, v in _ST_DTYPES.items():
+        if v == st_name:
+            return k
+    raise CheckpointError(f"a tensor of safetensors dtype {st_name} is not one a drafter holds")
+
+
+def _write_stream(target: Path, plan: list, source, what: str) -> None:
+    """A safetensors file written tensor by tensor in row chunks (header first, then the data in header order),
+    each chunk converted to its planned dtype and checked to be finite; atomically (beside, then renamed)."""
+    header, offset = {}, 0
+    for name, shape, dt in plan:
+        n = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dt], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with atomic_path(target) as tmp, open(tmp, "wb") as out:
+        out.write(struct.pack("<Q", len(raw)))
+        out.write(raw)
+        for name, shape, dt in plan:
+            rows = shape[0] if len(shape) > 1 else 1
+            per_row = max(1, math.prod(shape[1:]) * 4) if len(shape) > 1 else 1
+            step = max(1, STREAM_CHUNK_BYTES // per_row)
+            for a in range(0, rows, step):
+                part = source(name, a, a + step)  # [rows, ...] read from the file alone
+                part = part.reshape(-1, *shape[1:]) if len(shape) > 1 else part.reshape(shape)
+                if part.is_floating_point() and not bool(torch.isfinite(part).all()):
+                    raise CheckpointError(f"{what}: weights hold NaN or infinity ({name}); training diverged: "
+                                          f"train it again with a lower `paradraft train --lr`")
+                out.write(part.to(dt).contiguous().view(torch.uint8).numpy().tobytes())
