@@ -89,10 +89,10 @@ def build_verifier(family: str, tok_dir: str, out: Path, hidden: int, layers: in
 
 
 def run(argv: list, env: dict | None = None, torchrun: int = 0) -> tuple[int, str]:
-    """paradraft through its CLI in a subprocess (torchrun with `torchrun` processes when > 1)."""
+    """paradraft through its CLI in a subprocess (under torchrun with `torchrun` processes when >= 1)."""
     e = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     pre = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torchrun), "--master_port",
-           "29571"] if torchrun > 1 else [sys.executable]
+           "29571"] if torchrun >= 1 else [sys.executable]
     p = subprocess.run([*pre, "-m", "paradraft", *map(str, argv)], capture_output=True, text=True, env=e, cwd=ROOT)
     return p.returncode, (p.stdout + p.stderr)[-4000:]
 
@@ -106,15 +106,16 @@ def workflow(family: str, args, work: Path, device: str) -> dict:
     data = w / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_chat(48)))
     gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
+    flag = "cuda" if device.startswith("cuda") else "cpu"  # cuda: cuda:LOCAL_RANK under torchrun
     steps = [
         ("prepare", ["prepare", "--data", data, "--verifier", vdir, "-o", w / "data", "--seq-length", "512",
                      "--val-fraction", "0.1"], 0),
         ("vocab", ["vocab", "--data", w / "data", "--size", "512", "--fill", "-o", w / "vocab.safetensors"], 0),
-        ("extract", ["extract", "--data", w / "data", "-o", w / "hs", "--device", args.device, "--samples-per-shard",
+        ("extract", ["extract", "--data", w / "data", "-o", w / "hs", "--device", flag, "--samples-per-shard",
                      "16"], 0),
         ("train", ["train", "--data", w / "data", "--hidden-states", w / "hs", "--vocab", w / "vocab.safetensors",
                    "-o", w / "drafter", "--num-depths", "3", "--max-steps", "8", "--batch-tokens", "1024",
-                   "--device", args.device, "--val-samples", "4", "--save-every", "4"], min(gpus, 2)),
+                   "--device", flag, "--val-samples", "4", "--save-every", "4"], min(gpus, 2)),
     ]
     for name, argv, procs in steps:
         t0 = time.time()
@@ -126,29 +127,32 @@ def workflow(family: str, args, work: Path, device: str) -> dict:
     prompts = w / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": str(i), "prompt": synthetic_chat(60)[50 + i]["messages"][0]
                                            ["content"]}) + "\n" for i in range(4)))
-    outs = {}
+    outs, t0 = {}, time.time()
     for label, extra in (("plain-b1", []), ("spec-b1", ["--drafter", w / "drafter"]),
                          ("plain-b4", ["--batch-size", "4"]), ("spec-b4", ["--drafter", w / "drafter",
                                                                            "--batch-size", "4"])):
         rc, log = run(["generate", "--verifier", vdir, "--prompts", prompts, "--max-new-tokens", "24", "--dtype",
-                       "float32", "--device", args.device, "-o", w / f"{label}.jsonl", *extra])
+                       "float32", "--device", flag, "-o", w / f"{label}.jsonl", *extra])
         if rc:
             res["steps"]["generate"] = {"ok": False, "log": log}
             return res
         outs[label] = [json.loads(x)["token_ids"] for x in (w / f"{label}.jsonl").read_text().splitlines()]
     same = outs["plain-b1"] == outs["spec-b1"] == outs["plain-b4"] == outs["spec-b4"]
-    res["steps"]["generate"] = {"ok": same, "lossless_batch_1_and_4": same,
+    res["steps"]["generate"] = {"ok": same, "seconds": round(time.time() - t0, 1), "lossless_batch_1_and_4": same,
                                 "tokens": sum(len(t) for t in outs["plain-b1"])}
+    t0 = time.time()
     rc, log = run(["bench", "--verifier", vdir, "--drafter", w / "drafter", "--data", w / "data", "--num-prompts",
-                   "2", "--max-new-tokens", "16", "--repeats", "1", "--no-prompt-lookup", "--device", args.device,
+                   "2", "--max-new-tokens", "16", "--repeats", "1", "--no-prompt-lookup", "--device", flag,
                    "-o", w / "bench.json"])
-    res["steps"]["bench"] = {"ok": rc == 0, **({"log": log} if rc else {})}
+    res["steps"]["bench"] = {"ok": rc == 0, "seconds": round(time.time() - t0, 1), **({"log": log} if rc else {})}
     if rc == 0:
         b = json.loads((w / "bench.json").read_text())
         res["steps"]["bench"].update(device=b.get("device") or args.device, dtype=b["dtype"],
                                      acceptance_length=[r["acceptance_length"] for r in b["results"]])
+    t0 = time.time()
     rc, log = run(["export", w / "drafter", "-o", w / "export"])
     res["steps"]["export"] = {"ok": rc == 0 and (w / "export" / "model.safetensors").is_file(),
+                              "seconds": round(time.time() - t0, 1),
                               **({"log": log} if rc else {})}
     return res
 
