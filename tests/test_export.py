@@ -170,3 +170,31 @@ def test_streamed_export_equals_the_model_path(tmp_path, algorithm, dtype):
     out2 = export(ExportConfig(drafter=str(tmp_path / "trained"), output=str(tmp_path / "exp2"), dtype="float32"))
     emb = load_file(str(out2 / "model.safetensors"))["embed_tokens.weight"]
     assert torch.equal(emb, verifier.get_input_embeddings().weight.detach().float())
+
+
+def test_export_serves_the_k_validation_supports(tmp_path, capsys):
+    """export prints (and records) the smallest K within 0.01 of the best held-out acceptance estimate, and why;
+    --num-speculative-tokens overrides it; a drafter without estimates keeps its K."""
+    from transformers import AutoModelForCausalLM
+
+    vdir = save_tiny_verifier(tmp_path)
+    verifier = AutoModelForCausalLM.from_pretrained(vdir)
+    d = trained_like(verifier, "peagle")
+    d.cfg.num_depths = 7
+    est = {"1": 1.30, "2": 1.42, "3": 1.425, "4": 1.426, "7": 1.427}
+    save_drafter(d, tmp_path / "run", extra_provenance={"final": {"val": {"acceptance_length_by_k": est}}})
+    capsys.readouterr()
+    out = export(ExportConfig(drafter=str(tmp_path / "run"), output=str(tmp_path / "e"), dtype="float32"))
+    text = capsys.readouterr().out
+    assert "K=2 (held-out validation estimates acceptance length 1.420 at K=2 and 1.427 at K=7" in text
+    assert '"num_speculative_tokens": 2' in text
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
+    again = export(ExportConfig(drafter=str(out), output=str(tmp_path / "e2"), dtype="float32"))  # estimates kept
+    assert "K=2 (" in capsys.readouterr().out and again.is_dir()
+    export(ExportConfig(drafter=str(tmp_path / "run"), output=str(tmp_path / "e3"), dtype="float32",
+                        num_speculative_tokens=5))
+    assert '"num_speculative_tokens": 5' in capsys.readouterr().out
+    save_drafter(d, tmp_path / "bare")
+    export(ExportConfig(drafter=str(tmp_path / "bare"), output=str(tmp_path / "e4"), dtype="float32"))
+    assert f"K={d.cfg.num_speculative_tokens} (no held-out estimate" in capsys.readouterr().out

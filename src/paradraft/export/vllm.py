@@ -20,6 +20,7 @@ from ..models.checkpoint import (
 )
 from ..models.registry import drafter_class
 from ..outputs import claim_dir, output_lock, replace_dir
+from ..utils import read_json
 from ..verifier import load_verifier_config, resolve_verifier, verifier_tensor
 
 
@@ -34,6 +35,36 @@ def serve_command(verifier_path: str, drafter_dir: str, algorithm: str, k: int) 
     """The exact `vllm serve` command line."""
     spec = json.dumps(speculative_config(drafter_dir, algorithm, k))
     return f"vllm serve {shlex.quote(verifier_path)} --speculative-config {shlex.quote(spec)}"
+
+
+GAIN_FLOOR = 0.01  # tokens per verifier pass: a draft position that adds less costs more than it brings
+
+
+def validation_estimates(drafter_dir: str | Path) -> dict[int, float]:
+    """{K: estimated acceptance length} from the held-out validation train recorded with the drafter
+    (provenance.json "final" -> "val" -> "acceptance_length_by_k"); {} when none was recorded."""
+    try:
+        final = read_json(Path(drafter_dir) / "provenance.json").get("final") or {}
+        by_k = (final.get("val") or {}).get("acceptance_length_by_k") or {}
+        return {int(k): float(v) for k, v in by_k.items() if v is not None}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def best_k(estimates: dict[int, float], limit: int | None) -> tuple[int | None, str]:
+    """The K to serve: the smallest K whose estimated acceptance length is within GAIN_FLOOR of the best estimate
+    (every further draft position adds under GAIN_FLOOR tokens per verifier pass while costing a verification row
+    and draft work), and why."""
+    est = {k: v for k, v in estimates.items() if limit is None or k <= limit}
+    if not est:
+        return None, "no held-out estimate recorded with the drafter; K is the one it records"
+    top = max(est.values())
+    k = min(k for k, v in est.items() if v >= top - GAIN_FLOOR)
+    far = max(est)
+    why = (f"held-out validation estimates acceptance length {est[k]:.3f} at K={k}" +
+           (f" and {est[far]:.3f} at K={far}: each draft position past {k} adds under {GAIN_FLOOR} tokens per "
+            f"verifier pass and costs a verification row" if far > k else ""))
+    return k, why
 
 
 def export(cfg: ExportConfig) -> Path:
@@ -59,6 +90,11 @@ def _export(cfg: ExportConfig) -> Path:
     updates = {"verifier": resolve_verifier(verifier_name),  # a path or id vLLM can open
                "verifier_architectures": list(vcfg.architectures or [])}
     extra = {"exported_from": str(Path(cfg.drafter).resolve())}
+    estimates = validation_estimates(cfg.drafter)
+    if estimates:  # kept with the export, so that a re-export chooses alike
+        extra["final"] = {"val": {"acceptance_length_by_k": {str(k): v for k, v in estimates.items()}}}
+    k, why = (cfg.num_speculative_tokens, "--num-speculative-tokens") if cfg.num_speculative_tokens else \
+        best_k(estimates, None)
     dtype = getattr(torch, cfg.dtype)
 
     def embeddings():
@@ -67,20 +103,21 @@ def _export(cfg: ExportConfig) -> Path:
         # tensor by tensor (peak memory: one chunk, whatever the drafter's size); other layouts (the original
         # EAGLE-3 release) are small and go through the model
         dcfg = stream_export(cfg.drafter, tmp, dtype, verifier_config=vcfg, verifier_name=verifier_name,
-                             force=cfg.force, embeddings=embeddings, updates=updates, k=cfg.num_speculative_tokens,
+                             force=cfg.force, embeddings=embeddings, updates=updates, k=k,
                              extra_provenance=extra)
         if dcfg is None:
             drafter = load_drafter(cfg.drafter, verifier_config=vcfg, verifier_name=verifier_name, force=cfg.force,
                                    embeddings=embeddings)
             for key, v in updates.items():
                 setattr(drafter.cfg, key, v)
-            if cfg.num_speculative_tokens:
-                check_k(drafter, cfg.num_speculative_tokens)
-                drafter.cfg.num_speculative_tokens = cfg.num_speculative_tokens
+            if k:
+                check_k(drafter, k)
+                drafter.cfg.num_speculative_tokens = k
             write_drafter(drafter, tmp, extra, dtype)
             dcfg = drafter.cfg
     out = Path(cfg.output)
     k = dcfg.num_speculative_tokens
-    print(f"[export] {dcfg.algorithm} drafter -> {out} ({cfg.dtype}); serve it with:")
+    print(f"[export] {dcfg.algorithm} drafter -> {out} ({cfg.dtype}); K={k} ({why})")
+    print("[export] serve it with:")
     print("  " + serve_command(dcfg.verifier, str(out.resolve()), dcfg.algorithm, k))
     return out
