@@ -2,7 +2,7 @@
 
 import os as _os
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # torch's CPU kernels (oneDNN) keep one compiled primitive per distinct tensor shape, up to 1,024 of them by default.
 # Training packs of varying length make new shapes at every step, so that cache alone grew an offline training run
