@@ -8,7 +8,7 @@ STAMP := $(VENV)/.paradraft-installed
 # torch is pinned HERE (the CPU wheel lies on this machine's disk); the package itself asks for a range.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast test-e2e lint test-vllm probe probe-quickstart gpu-check clean
+.PHONY: setup demo test test-fast test-e2e lint docs test-vllm probe probe-quickstart gpu-check clean
 
 setup: $(STAMP)
 
@@ -24,8 +24,9 @@ demo: $(STAMP)
 	$(BIN)/paradraft quickstart
 
 # `make test` runs every tier: the linter, the fast tier (unit and equivalence tests on tiny random models, for the
-# edit-test loop), then the end-to-end tier (the real embedded verifier, multi-process runs, slow tests).
-test: lint test-fast test-e2e
+# edit-test loop), the end-to-end tier (the real embedded verifier, multi-process runs, the examples), then the docs
+# build (warnings are errors).
+test: lint test-fast test-e2e docs
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not e2e and not slow"
@@ -34,7 +35,12 @@ test-e2e: $(STAMP)
 	$(BIN)/python -m pytest -q -m "e2e or slow"
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests scripts benchmarks
+	$(BIN)/ruff check src tests scripts benchmarks examples
+
+# the docs site (mkdocs-material): the command-line reference is generated from the config dataclasses first
+docs: $(STAMP)
+	$(BIN)/python scripts/gen_cli_docs.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # hostile-user probes of every command through the real CLI: the second round (232 probes, builds its own tiny world
 # on the embedded verifier: about 10 minutes), and the first round on the quickstart's outputs (needs `make demo`)
@@ -72,6 +78,7 @@ $(VLLM_STAMP):
 FAMILY_INTEROP := --prompts 3 --max-tokens 32 --no-eagle3
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python scripts/vllm_interop.py --peagle-layers 1 4 --llama-layer --regenerate 8
+	DRAFTER=runs/vllm/peagle VLLM_PYTHON=$(VLLM_VENV)/bin/python PY=$(BIN)/python examples/serve_vllm.sh
 	$(BIN)/python scripts/check_vllm_extract.py
 	$(BIN)/python scripts/tiny_verifier.py qwen3_moe runs/vllm-qwen3-moe/verifier
 	$(BIN)/python scripts/vllm_interop.py --verifier runs/vllm-qwen3-moe/verifier --work runs/vllm-qwen3-moe --steps 30 $(FAMILY_INTEROP)

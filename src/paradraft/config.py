@@ -576,7 +576,10 @@ class ExportConfig(Checked):
     output: str | None = opt(None, help="output directory (new, empty, or an earlier export)", short="-o")
     verifier: str | None = opt(None, help="verifier (default: the one recorded in the drafter)")
     dtype: str = opt("bfloat16", help="weights dtype", choices=["bfloat16", "float32"])
-    num_speculative_tokens: int | None = opt(None, help="K recorded in the config (default: the drafter's)", ge=1)
+    num_speculative_tokens: int | None = opt(None, help="K recorded in config.json and in the serve command "
+                                             "(default: the smallest K within 0.01 tokens per pass of the best "
+                                             "held-out acceptance estimate train recorded, else the drafter's own "
+                                             "K)", ge=1)
     force: bool = opt(False, help="export a drafter recorded for another verifier")
 
     def check(self) -> None:
