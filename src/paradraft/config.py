@@ -147,21 +147,12 @@ def _coerce(name: str, value: Any, tp) -> Any:
         if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "false", "no", "off"):
             return value.strip().lower() in ("true", "yes", "on")
         raise wrong()
-    if base is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    if base in (int, float):  # an int for a float field, never a float (2.7) or a bool for an int field
+        if isinstance(value, (int, float) if base is float else int) and not isinstance(value, bool):
+            return base(value)
         if isinstance(value, str):
             try:
-                return int(value.strip())
-            except ValueError:
-                raise wrong() from None
-        raise wrong()
-    if base is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value.strip())
+                return base(value.strip())
             except ValueError:
                 raise wrong() from None
         raise wrong()

@@ -385,33 +385,24 @@ def load_drafter(path: str | Path, verifier=None, verifier_name: str | None = No
 
 def recorded_verifier(path: str | Path) -> str:
     """The verifier a drafter checkpoint records (config.json alone; "" when it records none)."""
-    f = Path(path) / "config.json"
-    try:
-        cfg = read_json(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a drafter checkpoint (needs config.json and model.safetensors)") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f} is not valid JSON ({type(e).__name__}: {e})") from None
-    spec = cfg.get("speculators_config") if isinstance(cfg, dict) else None
+    cfg = _config_json(Path(path))
+    spec = cfg.get("speculators_config")
     name = ((spec or {}).get("verifier") or {}).get("name_or_path") if isinstance(spec, dict) else None
-    if not name and isinstance(cfg, dict) and isinstance(cfg.get("paradraft"), dict):
+    if not name and isinstance(cfg.get("paradraft"), dict):
         name = cfg["paradraft"].get("verifier")
     return name if isinstance(name, str) else ""
 
 
 def recorded_k(path: str | Path) -> int:
     """The K a drafter checkpoint records for serving (config.json, read alone); CheckpointError if unreadable."""
-    f = Path(path) / "config.json"
+    cfg = _config_json(Path(path))
     try:
-        cfg = read_json(f)
         k = cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a drafter checkpoint (needs config.json and model.safetensors)") from None
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        raise CheckpointError(f"{f}: records no K (speculators_config.proposal_methods[0].speculative_tokens); "
-                              f"give --num-speculative-tokens") from None
+    except (KeyError, IndexError, TypeError):
+        raise CheckpointError(f"{Path(path) / 'config.json'}: records no K (speculators_config.proposal_methods[0]."
+                              f"speculative_tokens); give --num-speculative-tokens") from None
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise CheckpointError(f"{f}: its recorded K {k!r} is not a whole number >= 1")
+        raise CheckpointError(f"{Path(path) / 'config.json'}: its recorded K {k!r} is not a whole number >= 1")
     return k
 
 
