@@ -198,3 +198,21 @@ def test_export_serves_the_k_validation_supports(tmp_path, capsys):
     save_drafter(d, tmp_path / "bare")
     export(ExportConfig(drafter=str(tmp_path / "bare"), output=str(tmp_path / "e4"), dtype="float32"))
     assert f"K={d.cfg.num_speculative_tokens} (no held-out estimate" in capsys.readouterr().out
+
+
+def test_a_drafter_builds_on_the_meta_device_for_every_rope_type():
+    """export checks a checkpoint against the drafter its config describes, built on the meta device (no memory):
+    that must work for the rope scalings the verifier families use (GPT-OSS: yarn; Llama 3: llama3)."""
+    for rope in ({"rope_type": "default", "rope_theta": 1e4},
+                 {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                  "original_max_position_embeddings": 4096, "truncate": False},
+                 {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}):
+        cfg = DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, vocab_size=120, draft_vocab_size=60, mask_token_id=119, rope_parameters=rope,
+                          max_position_embeddings=131072)
+        with torch.device("meta"):
+            m = build_drafter(cfg)
+        assert m.fc.weight.is_meta, rope["rope_type"]
+        if rope["rope_type"] != "default":  # computed by Hugging Face's rope init, on the CPU whatever the device
+            assert not m.rotary.inv_freq.is_meta and bool(torch.isfinite(m.rotary.inv_freq).all())

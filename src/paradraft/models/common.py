@@ -130,7 +130,8 @@ class Rotary(nn.Module):
             inv = 1.0 / (base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
             scaling = 1.0
         else:
-            inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+            with torch.device("cpu"):  # real numbers even when the drafter is built on the meta device (export)
+                inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
         self.register_buffer("inv_freq", inv.float(), persistent=False)
         self.scaling = float(scaling)
 
