@@ -143,7 +143,7 @@ def check_replaceable(path: str | Path, kind: str, flag: str) -> None:
                               f"move them away or choose another {_flag(flag)}")
 
 
-_HELD: dict[str, int] = {}  # lock files this process holds -> nesting depth (a command may lock twice)
+_HELD: set[str] = set()  # the lock files this process holds
 
 
 @contextlib.contextmanager
@@ -156,12 +156,8 @@ def output_lock(target: str | Path, flag: str, *, reentrant: bool = False):
     target.parent.mkdir(parents=True, exist_ok=True)
     lock_path = target.parent / f".{target.name}.lock"
     key = str(lock_path.resolve())
-    if reentrant and _HELD.get(key):
-        _HELD[key] += 1
-        try:
-            yield
-        finally:
-            _HELD[key] -= 1
+    if reentrant and key in _HELD:  # the outer holder releases it
+        yield
         return
     while True:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666 & ~umask())
@@ -180,11 +176,11 @@ def output_lock(target: str | Path, flag: str, *, reentrant: bool = False):
         if same:
             break
         os.close(fd)
-    _HELD[key] = 1
+    _HELD.add(key)
     try:
         yield
     finally:
-        _HELD.pop(key, None)
+        _HELD.discard(key)
         with contextlib.suppress(OSError):
             os.unlink(lock_path)
         os.close(fd)
@@ -296,17 +292,26 @@ def _is_paradraft_png(path: Path) -> bool:
     return any(PNG_MARK in v for v in png_text(path).values())
 
 
+def safetensors_header(path: str | Path, limit: int = 64 << 20) -> tuple[dict, int]:
+    """(the header of a safetensors file without its __metadata__, the byte offset its data starts at), read without
+    reading the data. OSError / ValueError / struct.error for anything that is not one (a header over `limit`)."""
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        if n > limit:
+            raise ValueError(f"a header of {n} bytes")
+        header = json.loads(fh.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
 def safetensors_names(path: Path) -> set[str] | None:
     """Tensor names in a safetensors file's header, or None for anything else."""
     try:
-        with open(path, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            if n > (16 << 20):
-                return None
-            header = json.loads(fh.read(n))
+        return set(safetensors_header(path, limit=16 << 20)[0])
     except (OSError, ValueError, struct.error):
         return None
-    return {k for k in header if k != "__metadata__"} if isinstance(header, dict) else None
 
 
 def _is_vocab_file(path: Path) -> bool:

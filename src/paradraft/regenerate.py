@@ -264,9 +264,7 @@ def _merge_parts(cfg: RegenerateConfig, out: Path, result: dict) -> dict:
     for p in _parts(out):
         p.unlink()
     print(f"[regenerate] {len(order)} answers of {int(os.environ.get('WORLD_SIZE', 1))} ranks -> {out}")
-    result = {**result, "written": len(order)}
-    result.pop("order", None)
-    return result
+    return {**result, "written": len(order)}
 
 
 def _regenerate(cfg: RegenerateConfig, out: Path, generator, share: tuple | None = None) -> dict:

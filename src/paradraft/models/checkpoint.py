@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from .. import __version__
 from ..errors import UserError
-from ..outputs import claim_dir, output_lock, replace_dir
+from ..outputs import claim_dir, output_lock, replace_dir, safetensors_header
 from ..utils import atomic_path, read_json, save_tensors, write_json
 from ..verifier import default_aux_layers
 from .common import DraftConfig, DraftModel
@@ -510,15 +510,8 @@ class _StreamReader:
     def __init__(self, path: Path):
         self.path = path
         try:
-            with open(path, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                if n > (64 << 20):
-                    raise ValueError("header too large")
-                header = json.loads(fh.read(n))
-            self.base = 8 + n
-            header.pop("__metadata__", None)
+            header, self.base = safetensors_header(path)
             for meta in header.values():
-                _torch_dtype(meta["dtype"])
                 a, b = meta["data_offsets"]
                 if b - a != math.prod(meta["shape"]) * torch.empty(0, dtype=_torch_dtype(meta["dtype"])).element_size():
                     raise ValueError("a tensor's byte range does not match its shape")
