@@ -409,6 +409,27 @@ def test_a_checkpoint_from_before_a_flag_existed_resumes_with_its_default(world)
                       **given), verifier=model, tokenizer=tok)
 
 
+@pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
+def test_partitioned_training_equals_unpartitioned(world, algorithm):
+    """--partition-tokens 16 trains every 200-slot pack in partitions (train/partition.py): the same losses, the
+    same held-out validation and the same weights as packs trained whole."""
+    tok, model, tmp = world
+    res = {}
+    for name, part in (("whole", None), ("parts", 16)):
+        out = f"part-{algorithm}-{name}"
+        train(cfg(tmp, out, algorithm=algorithm, optimizer="adamw", max_steps=3, partition_tokens=part,
+                  num_layers=2, val_samples=8), verifier=model, tokenizer=tok)
+        rows = [json.loads(x) for x in (tmp / out / "metrics.jsonl").read_text().splitlines()]
+        final = json.loads((tmp / out / "final_metrics.json").read_text())
+        res[name] = ([r["loss"] for r in rows if "loss" in r], final, load_file(str(tmp / out / "model.safetensors")))
+    (l0, f0, w0), (l1, f1, w1) = res["whole"], res["parts"]
+    assert len(l0) == 3 and l1 == pytest.approx(l0, rel=1e-4, abs=1e-6)  # float rounding of other sums
+    assert f1["val"]["loss"] == pytest.approx(f0["val"]["loss"], rel=1e-4)
+    assert f1["val"]["acc"] == pytest.approx(f0["val"]["acc"])
+    for k in w0:
+        torch.testing.assert_close(w1[k], w0[k], atol=1e-5, rtol=1e-4)
+
+
 def test_acceptance_estimate_formula():
     # 3 chains (anchors 0..2), depths 0..2: correctness pattern per anchor
     pattern = {0: [1, 1, 0], 1: [1, 0, 1], 2: [0, 1, 1]}
@@ -446,6 +467,18 @@ def test_torchrun_ddp_matches_one_process(tmp_path):
     w2 = load_file(str(tmp_path / "two" / "model.safetensors"))
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-4)
+    # sequence partitioning under DDP: the ranks' packs split into different numbers of partitions, each rank
+    # reduces its gradients once per pack (no_sync before), and the run equals the one process
+    part = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           "29536", "-m", "paradraft", "train", "-o", str(tmp_path / "two-part"),
+                           "--partition-tokens", "24", *base, *adamw],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert part.returncode == 0, part.stderr[-3000:]
+    lp = [json.loads(x)["loss"] for x in (tmp_path / "two-part" / "metrics.jsonl").read_text().splitlines()]
+    assert lp == pytest.approx(l1, rel=1e-5)
+    wp = load_file(str(tmp_path / "two-part" / "model.safetensors"))
+    for k in w1:
+        torch.testing.assert_close(wp[k], w1[k], atol=1e-5, rtol=1e-4)
     # FSDP (the path for large drafters on GPUs) runs on CPU too, with the same losses, and saves full weights
     fsdp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            "29534", "-m", "paradraft", "train", "-o", str(tmp_path / "fsdp"), "--fsdp", *base,

@@ -251,7 +251,13 @@ class PrepareConfig(Checked):
                           "chitchat | FILE.json[l] (ShareGPT or messages) | DIR saved by datasets.save_to_disk")
     output: str = opt("runs/data", help="output directory", short="-o")
     verifier: str = opt(DEFAULT_VERIFIER, help="verifier whose tokenizer and chat template are used")
-    seq_length: int = opt(2048, help="truncate samples to this many tokens", ge=2)
+    seq_length: int = opt(2048, help="the most tokens of a sample (see --long-conversations)", ge=2)
+    long_conversations: str = opt("truncate", help="a conversation longer than --seq-length: truncate (keep its "
+                                  "first --seq-length tokens) or split (at turn boundaries, into several samples, "
+                                  "each with as much preceding context as fits; every assistant token trained "
+                                  "once)", choices=["truncate", "split"])
+    join_parts: bool = opt(False, help="first reassemble conversations stored in parts whose ids share a prefix "
+                           "(the packaged ShareGPT's `abc_0`, `abc_1`, ...), in the order of their suffixes")
     max_samples: int | None = opt(None, help="keep at most this many samples (after the seeded shuffle)", ge=1)
     seed: int = opt(0, help="seed of the deterministic shuffle")
     val_fraction: float = opt(0.02, help="held-out fraction for validation and benchmarks", ge=0, lt=1)
@@ -285,6 +291,10 @@ class RegenerateConfig(Checked):
     max_samples: int | None = opt(None, help="regenerate at most this many conversations (after the shuffle)", ge=1)
     max_turns: int = opt(1, help="regenerate the first N user turns of each conversation", ge=1)
     max_new_tokens: int = opt(256, help="longest answer per turn", ge=1)
+    reasoning: str | None = opt(None, help="for chat templates with a thinking block (Qwen3's enable_thinking): "
+                                "keep = the verifier thinks and its thinking is written into each answer (and "
+                                "trained); drop = it answers without thinking (default: the template's own)",
+                                choices=["keep", "drop"])
     max_prompt_tokens: int = opt(1024, help="skip conversations whose prompt is longer", ge=1)
     temperature: float = opt(0.0, help="0 = greedy", ge=0)
     top_p: float = opt(1.0, help="nucleus sampling", gt=0, le=1)
@@ -384,7 +394,8 @@ def parse_shard(spec: str) -> tuple[int, int]:
 # flags that may change when a run is resumed: how long it runs, how often it saves, logs and validates, where
 # its files are (the data's identity is checked separately). Everything else must equal the checkpoint's.
 RESUME_MAY_CHANGE = ("resume", "overwrite", "max_steps", "epochs", "save_every", "time_limit", "keep_checkpoints",
-                     "log_every", "val_every", "val_samples", "device", "attention", "output", "data", "hidden_states")
+                     "log_every", "val_every", "val_samples", "device", "attention", "partition_tokens", "output",
+                     "data", "hidden_states")
 
 
 @dataclasses.dataclass
@@ -458,6 +469,10 @@ class TrainConfig(Checked):
                               "hidden state's RMS, to the drafter's hidden-state inputs (a regulariser)", ge=0)
     max_grad_norm: float = opt(1.0, help="gradient clipping", gt=0)
     batch_tokens: int = opt(4096, help="slots per packed sequence (samples are packed with document ids)", ge=2)
+    partition_tokens: int | None = opt(None, help="sequence partitioning: a packed sequence of more slots than this "
+                                       "(a long sample) trains in partitions of this many anchors, one after another, "
+                                       "with the gradients of one step: peak memory is set by the partition, not the "
+                                       "sample (default: --batch-tokens)", ge=8)
     grad_accum: int = opt(1, help="packed sequences per optimizer step (per process)", ge=1)
     epochs: int = opt(2, help="passes over the training split (a second pass over 710k tokens gained as much as "
                       "twice the data: BENCHMARKS.md)", ge=1)

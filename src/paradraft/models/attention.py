@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..utils import release_free_memory
 
 
 def may_attend(q_anchor, q_depth, q_doc, k_anchor, k_depth, k_doc):
@@ -88,7 +91,8 @@ _compiled_flex = None
 
 
 def attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q: Elements, k: Elements,
-              backend: str = "sdpa", scale: float | None = None, query_block: int = 512) -> torch.Tensor:
+              backend: str = "sdpa", scale: float | None = None, query_block: int = 512,
+              recompute: bool = False) -> torch.Tensor:
     """Masked attention by the rule. qh [1, H, Nq, D], kh/vh [1, KVH, Nk, D] -> [1, H, Nq, D].
 
     backend "sdpa": dense boolean mask, built per block of `query_block` queries (the CPU path; flex_attention has
@@ -96,6 +100,10 @@ def attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q: Elements,
     outside it are masked for every query of the block, so dropping them changes nothing but the cost. Training
     lists elements by depth (context first), so context queries see a causal prefix and depth-d queries the context
     plus depths 1..d: about 0.6x the work of the full element x element product at 8 depths.
+    `recompute` (sdpa, with a graph): each block's mask is rebuilt in backward rather than kept. SDPA keeps a float
+    copy of a boolean mask for its backward (4.5 bytes per query x key entry, measured), and a partition of a long
+    sample (train/partition.py), whose queries see every earlier key, would keep masks that grow with the sample.
+    Rebuilding costs one more forward of the block.
     backend "flex": flex_attention with a block mask from `flex_mask_mod` (the GPU path; compiled off-CPU).
     """
     groups = qh.shape[1] // kh.shape[1]
@@ -119,6 +127,20 @@ def attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q: Elements,
         m = dense_mask(qb, k)  # [nq, Nk]
         used = torch.nonzero(m.any(0)).flatten()  # keys some query of the block may attend to
         lo, hi = (int(used[0]), int(used[-1]) + 1) if used.numel() else (0, m.shape[1])
-        outs.append(F.scaled_dot_product_attention(qh[:, :, s:s + query_block], kh[:, :, lo:hi], vh[:, :, lo:hi],
-                                                   attn_mask=m[:, lo:hi], scale=scale))
+        args = (qh[:, :, s:s + query_block], kh[:, :, lo:hi], vh[:, :, lo:hi])
+        if recompute:
+            del m
+            outs.append(checkpoint(_masked_block, *args, qb, k.slice(lo, hi), scale, use_reentrant=False))
+        else:
+            outs.append(F.scaled_dot_product_attention(*args, attn_mask=m[:, lo:hi], scale=scale))
+    if recompute:
+        # the blocks' masks are medium-sized transients that glibc keeps, fragmented, in its heap: after the keys of
+        # a long partition's prefix they held 2 GB that the loss could not reuse (utils.release_free_memory)
+        release_free_memory()
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def _masked_block(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, q: Elements, k: Elements,
+                  scale: float | None) -> torch.Tensor:
+    """SDPA of one query block [1, H, nq, D] over its keys [1, H, nk, D] with the rule's mask, built here."""
+    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=dense_mask(q, k), scale=scale)

@@ -156,8 +156,10 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, elems: Elements, cache_kv, cache_elems: Elements | None, backend: str):
-        # x [N, in]; cos/sin [N, hd]; cache_kv: (k, v) [1, KVH, M, hd] of earlier elements or None
+    def forward(self, x, cos, sin, elems: Elements, cache_kv, cache_elems: Elements | None, backend: str,
+                recompute: bool = False):
+        # x [N, in]; cos/sin [N, hd]; cache_kv: (k, v) [1, KVH, M, hd] of earlier elements or None; recompute: see
+        # attention()
         n = x.shape[0]
         # projections through verifier.linear: drafting (a few rows, no gradient) gets its small-M rule
         q = linear(self.q_proj, x).view(n, self.nh, self.hd)
@@ -174,7 +176,8 @@ class Attention(nn.Module):
             k_elems = Elements.cat([cache_elems, elems])
         else:
             k_all, v_all, k_elems = k, v, elems
-        out = attention(q, k_all, v_all, elems, k_elems, backend=backend, scale=1.0 / math.sqrt(self.hd))
+        out = attention(q, k_all, v_all, elems, k_elems, backend=backend, scale=1.0 / math.sqrt(self.hd),
+                        recompute=recompute)
         out = out.squeeze(0).transpose(0, 1).reshape(n, self.nh * self.hd)  # [N, H*hd]
         return linear(self.o_proj, out), (k, v)
 
@@ -205,7 +208,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, emb, cos, sin, elems, cache_kv, cache_elems, backend):
+    def forward(self, h, emb, cos, sin, elems, cache_kv, cache_elems, backend, recompute=False):
         if self.first:
             hn = self.hidden_norm(h)
             residual = hn if self.norm_before_residual else h
@@ -213,7 +216,7 @@ class DecoderLayer(nn.Module):
         else:
             residual = h
             x = self.input_layernorm(h)
-        a, kv = self.self_attn(x, cos, sin, elems, cache_kv, cache_elems, backend)
+        a, kv = self.self_attn(x, cos, sin, elems, cache_kv, cache_elems, backend, recompute)
         h = residual + a
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, kv
@@ -225,6 +228,9 @@ class DraftCache:
     def __init__(self):
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.elems: Elements | None = None
+        # the prefix of a partition of a long sample (train/partition.py): with a graph, attention rebuilds its
+        # masks in backward rather than keeping masks that grow with the prefix (attention's `recompute`)
+        self.recompute_masks = False
 
     def __len__(self) -> int:
         return 0 if self.elems is None else len(self.elems)
@@ -334,6 +340,42 @@ class DraftModel(nn.Module):
         """The inverse of `checkpoint_state_dict` (raise ValueError for a checkpoint that lacks what it needs)."""
         return sd
 
+    def forward(self, b, generator: torch.Generator | None = None, context_bounds=None, **kw):
+        """What the trainer calls (DDP and FSDP hook `forward`): `training_loss` of a packed sequence, or, with
+        `context_bounds`, `context_cache` (the first phase of sequence partitioning, train/partition.py)."""
+        if context_bounds is not None:
+            return self.context_cache(b, context_bounds)
+        return self.training_loss(b, generator, **kw)
+
+    def training_loss(self, b, generator: torch.Generator | None = None, anchors=None, prefix=None, counts=None,
+                      context_kv: bool = False, **args):
+        """(loss, stats) of one packed SlotBatch, with `train_args` as keywords.
+
+        For one partition of a longer sequence (train/partition.py): `anchors` = (anchor [N], depth [N]) are its
+        elements (from `train_elements` of the whole sequence, in the partition's coordinates, context first);
+        `prefix` is a DraftCache of the context before the partition; `counts` are the sequence's trained elements
+        per depth (the loss's denominators); `context_kv` puts the keys/values of the partition's own context
+        elements, per layer ([1, KVH, n0, hd] each), in stats["context_kv"]."""
+        raise NotImplementedError
+
+    def train_elements(self, b, generator: torch.Generator | None = None, **args):
+        """(anchor [N], depth [N]) int64: the elements `training_loss` trains on `b` (context first, by anchor),
+        drawn with `generator` as `training_loss` draws them."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def context_cache(self, b, bounds: list[tuple[int, int]]) -> "DraftCache":
+        """Keys/values of every context (depth-0) element of `b`, computed partition by partition ([s, e) in
+        `bounds`, in order) on top of the cache of the partitions before: per layer [1, KVH, len(b), hd]."""
+        cache = DraftCache()
+        for s, e in bounds:
+            anchor = torch.arange(s, e, device=b.tokens.device)  # [n]
+            elems = Elements(anchor, torch.zeros_like(anchor), b.doc[s:e])
+            _, kv = self.run_layers(self.embed(b.tokens[s:e]), self.project(b.hidden[s:e]), b.positions[s:e],
+                                    elems, cache)
+            cache.append(kv, elems)
+        return cache
+
     # ---- inference
     def max_draft_tokens(self) -> int | None:
         """The most draft tokens per pass this drafter was trained for (None: no limit recorded)."""
@@ -401,7 +443,8 @@ class DraftModel(nn.Module):
         h, new_kv = hidden, []
         for i, layer in enumerate(self.layers):
             ckv = cache.kv[i] if cache is not None and cache.kv is not None else None
-            h, kv = layer(h, emb, cos, sin, elems, ckv, cache.elems if ckv is not None else None, self.backend)
+            h, kv = layer(h, emb, cos, sin, elems, ckv, cache.elems if ckv is not None else None, self.backend,
+                          cache is not None and cache.recompute_masks and torch.is_grad_enabled())
             new_kv.append(kv)
         return h, new_kv
 

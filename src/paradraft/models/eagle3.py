@@ -50,32 +50,50 @@ class Eagle3Drafter(DraftModel):
         cache.truncate(keep)  # chain elements are speculative: only context slots stay
         return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs[0] is not None else None)  # q: None when greedy
 
-    def train_forward(self, b: SlotBatch, ttt_steps: int, decay: float = 0.8, out_of_vocab: bool = False):
+    @staticmethod
+    def chain_elements(b: SlotBatch, ttt_steps: int):
+        """(anchor [N], depth [N]): step 0 at every slot, then step s at the anchors of step s-1 whose chain stays
+        inside the sequence and its document (a + s < T, same document), step by step in anchor order."""
+        T, dev = len(b), b.tokens.device
+        anchors = [torch.arange(T, device=dev)]
+        for s in range(1, ttt_steps):
+            cand = anchors[-1][anchors[-1] + s < T]
+            cand = cand[b.doc[cand + s] == b.doc[cand]]
+            if cand.numel() == 0:
+                break
+            anchors.append(cand)
+        return torch.cat(anchors), torch.cat([torch.full_like(a, s) for s, a in enumerate(anchors)])
+
+    def train_forward(self, b: SlotBatch, ttt_steps: int, decay: float = 0.8, out_of_vocab: bool = False,
+                      anchors=None, prefix: DraftCache | None = None, counts: list[int] | None = None,
+                      context_kv: bool = False):
         """Loss and per-step stats of one packed sequence, unrolled for `ttt_steps` steps.
 
+        `anchors` = (anchor, depth) (default `chain_elements`), `prefix`, `counts`, `context_kv`: one partition of a
+        longer sequence (see `DraftModel.training_loss`).
         Returns (loss, stats, [logits of step s [n_s, Vd]], [anchors of step s [n_s]]).
         """
-        T = len(b)
-        dev = b.tokens.device
+        anchor_all, depth_all = self.chain_elements(b, ttt_steps) if anchors is None else anchors
         cache = DraftCache()
-        anchors = torch.arange(T, device=dev)
-        emb, hid = self.embed(b.tokens), self.project(b.hidden)
+        if prefix is not None and prefix.kv is not None:  # a copy: the steps' elements are appended to it
+            cache.kv, cache.elems, cache.recompute_masks = list(prefix.kv), prefix.elems, prefix.recompute_masks
         all_kl, all_tr, all_cor, all_val, all_dep, logits_out, anchors_out = [], [], [], [], [], [], []
-        h_prev, prev_anchors = None, None
+        h_prev, prev_anchors, own_kv = None, None, None
         for s in range(ttt_steps):
-            if s > 0:
-                cand = prev_anchors[prev_anchors + s < T]
-                new_anchors = cand[b.doc[cand + s] == b.doc[cand]]  # the chain stays inside its document
-                if new_anchors.numel() == 0:
-                    break
-                idx = torch.searchsorted(prev_anchors, new_anchors)
+            anchors = anchor_all[depth_all == s]  # [n_s], ascending
+            if anchors.numel() == 0:
+                break
+            if s == 0:
+                emb, hid = self.embed(b.tokens[anchors]), self.project(b.hidden[anchors])
+            else:
+                idx = torch.searchsorted(prev_anchors, anchors)
                 hid = h_prev[idx]  # [n_s, H] the drafter's own output at the same anchor
-                emb = self.embed(b.tokens[new_anchors + s])
-                anchors = new_anchors
+                emb = self.embed(b.tokens[anchors + s])
             depth = torch.full_like(anchors, s)
             elems = Elements(anchors, depth, b.doc[anchors])
-            h, kv = self.run_layers(emb, hid, b.positions[anchors] + s, elems, cache if s > 0 else None)
+            h, kv = self.run_layers(emb, hid, b.positions[anchors] + s, elems, cache)
             cache.append(kv, elems)
+            own_kv = kv if s == 0 else own_kv
             logits = self.logits(h)
             tgt = anchors + s
             kl, tr, cor = draft_loss(logits, b, tgt, b.valid[tgt], self.d2t, self.t2d, out_of_vocab)
@@ -85,16 +103,23 @@ class Eagle3Drafter(DraftModel):
             anchors_out.append(anchors)
             h_prev, prev_anchors = h, anchors
         loss, stats = depth_reduce(torch.cat(all_kl), torch.cat(all_tr), torch.cat(all_cor), torch.cat(all_val),
-                                   torch.cat(all_dep), ttt_steps, decay)
+                                   torch.cat(all_dep), ttt_steps, decay, counts)
         stats["num_elements"] = sum(int(x.numel()) for x in anchors_out)
         stats["elements"] = (torch.cat(anchors_out).detach(), torch.cat(all_dep).detach(),
                              torch.cat(all_cor).detach(), torch.cat(all_val).detach())
+        if context_kv:
+            stats["context_kv"] = own_kv
         return loss, stats, logits_out, anchors_out
 
-    def forward(self, b: SlotBatch, generator: torch.Generator | None = None, ttt_steps: int = 3,
-                loss_decay: float = 0.8, out_of_vocab: bool = False, **_):
-        """Training loss and stats (what the generic trainer calls; DDP needs it to be `forward`)."""
-        loss, stats, _, _ = self.train_forward(b, ttt_steps, loss_decay, out_of_vocab)
+    def train_elements(self, b: SlotBatch, generator: torch.Generator | None = None, ttt_steps: int = 3, **_):
+        return self.chain_elements(b, ttt_steps)
+
+    def training_loss(self, b: SlotBatch, generator: torch.Generator | None = None, ttt_steps: int = 3,
+                      loss_decay: float = 0.8, out_of_vocab: bool = False, anchors=None, prefix=None, counts=None,
+                      context_kv=False, **_):
+        """Training loss and stats (what the generic trainer calls through `forward`)."""
+        loss, stats, _, _ = self.train_forward(b, ttt_steps, loss_decay, out_of_vocab, anchors, prefix, counts,
+                                               context_kv)
         return loss, stats
 
     def context_step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,10 @@ def slots_from_sample(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidd
 
 
 def pack_slots(parts: list[SlotBatch]) -> SlotBatch:
-    """Concatenate samples into one packed sequence; document ids keep them apart in attention."""
+    """Concatenate samples into one packed sequence; document ids keep them apart in attention. One sample is
+    returned as it is (document 0), without a copy of its targets: a long sample holds them once."""
+    if len(parts) == 1:
+        return dataclasses.replace(parts[0], doc=torch.zeros_like(parts[0].doc))
     docs = [torch.full_like(p.doc, i) for i, p in enumerate(parts)]
     return SlotBatch(*(torch.cat([getattr(p, f) for p in parts]) for f in
                        ("tokens", "hidden", "positions")), torch.cat(docs),
@@ -85,29 +89,45 @@ def draft_loss(logits: torch.Tensor, b: SlotBatch, rows: torch.Tensor, valid: to
     target_ids = b.target_ids[rows]  # [N]
     ce = F.cross_entropy(logits.float(), b.target_p[rows].float(), reduction="none")  # [N]
     kl = b.target_entropy()[rows] + ce
-    in_vocab = t2d[target_ids]
-    trained = valid if out_of_vocab else valid & in_vocab
+    trained = trained_elements(b, rows, valid, t2d, out_of_vocab)
     kl = torch.where(trained, kl, torch.zeros_like(kl))
     pred = logits.argmax(-1)
     correct = valid & ((pred + d2t[pred]) == target_ids)
     return kl, trained, correct
 
 
+def trained_elements(b: SlotBatch, rows: torch.Tensor, valid: torch.Tensor, t2d: torch.Tensor,
+                     out_of_vocab: bool = False) -> torch.Tensor:
+    """[N] bool: the elements scored against slots `rows` [N] that train (valid [N], and unless `out_of_vocab` the
+    verifier's argmax is in the draft vocabulary: see `draft_loss`)."""
+    return valid if out_of_vocab else valid & t2d[b.target_ids[rows]]
+
+
+def trained_counts(trained: torch.Tensor, depth: torch.Tensor, num_depths: int) -> list[int]:
+    """Trained elements per depth [num_depths]: the denominators of `depth_reduce`."""
+    return [int((trained & (depth == d)).sum()) for d in range(num_depths)]
+
+
 def depth_reduce(kl: torch.Tensor, trained: torch.Tensor, correct: torch.Tensor, valid: torch.Tensor,
-                 depth: torch.Tensor, num_depths: int, decay: float = 1.0):
-    """Loss = sum_d w_d * mean KL at depth d / sum_d w_d, with w_d = decay**d; plus per-depth stats."""
+                 depth: torch.Tensor, num_depths: int, decay: float = 1.0, counts: list[int] | None = None):
+    """Loss = sum_d w_d * mean KL at depth d / sum_d w_d, with w_d = decay**d; plus per-depth stats.
+
+    `counts` [num_depths]: the trained elements per depth of the WHOLE sequence when these elements are one
+    partition of it (sequence partitioning, train/partition.py): the means then divide by the sequence's counts, so
+    the partitions' losses sum to the sequence's loss. Default: these elements' own counts."""
     loss = kl.new_zeros(())
     wsum = 0.0
-    stats = {"kl": [], "acc": [], "count": []}
+    own = trained_counts(trained, depth, num_depths)
+    stats = {"kl": [], "acc": [], "count": [], "trained": own}
     for d in range(num_depths):
         sel = depth == d
-        nt = int((trained & sel).sum())
+        nt = own[d] if counts is None else counts[d]
         nv = int((valid & sel).sum())
         if nt:
             w = decay ** d
             loss = loss + w * kl[sel].sum() / nt
             wsum += w
-        stats["kl"].append(float(kl[sel].detach().sum()) / nt if nt else float("nan"))
+        stats["kl"].append(float(kl[sel].detach().sum()) / own[d] if own[d] else float("nan"))
         stats["acc"].append(float((correct & sel).sum()) / nv if nv else float("nan"))
         stats["count"].append(nv)
     # a pack with nothing to train (every target outside the draft vocabulary) still gives a loss on the graph:

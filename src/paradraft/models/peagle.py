@@ -190,29 +190,40 @@ class PEagleDrafter(DraftModel):
 
     def train_forward(self, b: SlotBatch, num_depths: int, ratio: float = 0.7, ratio_min: float = 0.2,
                       generator: torch.Generator | None = None, decay: float = 1.0, anchors=None,
-                      out_of_vocab: bool = False):
-        """Loss and per-depth stats of one packed sequence; `anchors` = (anchor, depth) overrides COD sampling."""
+                      out_of_vocab: bool = False, prefix: DraftCache | None = None, counts: list[int] | None = None,
+                      context_kv: bool = False):
+        """Loss and per-depth stats of one packed sequence; `anchors` = (anchor, depth) overrides COD sampling.
+        `prefix`, `counts`, `context_kv`: one partition of a longer sequence (see `DraftModel.training_loss`)."""
         if anchors is None:
             anchors = cod_sample(b.valid, num_depths, ratio, ratio_min, generator, document_ids=b.doc)
         anchor, depth = (t.to(b.tokens.device) for t in anchors)
         emb, hid = self.element_inputs(b.tokens[anchor], b.hidden[anchor], depth)
         elems = Elements(anchor, depth, b.doc[anchor])
-        h, _ = self.run_layers(emb, hid, b.positions[anchor] + depth, elems)
+        h, kv = self.run_layers(emb, hid, b.positions[anchor] + depth, elems, prefix)
         logits = self.logits(h)  # [N, Vd]
         tgt = torch.clamp(anchor + depth, max=len(b) - 1)
         valid = b.valid[tgt] & (anchor + depth < len(b))
         kl, trained, correct = draft_loss(logits, b, tgt, valid, self.d2t, self.t2d, out_of_vocab)
-        loss, stats = depth_reduce(kl, trained, correct, valid, depth, num_depths, decay)
+        loss, stats = depth_reduce(kl, trained, correct, valid, depth, num_depths, decay, counts)
         stats["num_elements"] = int(anchor.numel())
         stats["elements"] = (anchor.detach(), depth.detach(), correct.detach(), valid.detach())
+        if context_kv:  # the context elements come first (cod_sample's order)
+            n0 = int((depth == 0).sum())
+            stats["context_kv"] = [(k[:, :, :n0], v[:, :, :n0]) for k, v in kv]
         return loss, stats, logits, (anchor, depth)
 
-    def forward(self, b: SlotBatch, generator: torch.Generator | None = None, num_depths: int = 8,
-                cod_ratio: float = 0.7, cod_ratio_min: float = 0.2, loss_decay: float = 1.0, out_of_vocab: bool = False,
-                **_):
-        """Training loss and stats (what the generic trainer calls; DDP needs it to be `forward`)."""
+    def train_elements(self, b: SlotBatch, generator: torch.Generator | None = None, num_depths: int = 8,
+                       cod_ratio: float = 0.7, cod_ratio_min: float = 0.2, **_):
+        """COD's draw for the whole sequence: every position at depth 0, then the kept anchors of depths 1.."""
+        return cod_sample(b.valid, num_depths, cod_ratio, cod_ratio_min, generator, document_ids=b.doc)
+
+    def training_loss(self, b: SlotBatch, generator: torch.Generator | None = None, num_depths: int = 8,
+                      cod_ratio: float = 0.7, cod_ratio_min: float = 0.2, loss_decay: float = 1.0,
+                      out_of_vocab: bool = False, anchors=None, prefix=None, counts=None, context_kv=False, **_):
+        """Training loss and stats (what the generic trainer calls through `forward`)."""
         loss, stats, _, _ = self.train_forward(b, num_depths, cod_ratio, cod_ratio_min, generator, loss_decay,
-                                               out_of_vocab=out_of_vocab)
+                                               anchors=anchors, out_of_vocab=out_of_vocab, prefix=prefix,
+                                               counts=counts, context_kv=context_kv)
         return loss, stats
 
     def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, k: int,

@@ -105,16 +105,23 @@ class TargetHead:
         S = last.shape[0]
         need = torch.zeros(S, dtype=torch.bool, device=last.device)  # [S]
         need[1:] = slot_valid(loss_mask)
-        hit = self.cache.get(key) if key is not None else None
-        if hit is None:
-            hit = self.head.targets(last[need], self.ids)  # [n, Vd], [n]
-            size = hit[0].numel() * hit[0].element_size() + hit[1].numel() * hit[1].element_size()
-            if key is not None and self.cached_bytes + size <= self.cache_bytes:
-                self.cache[key] = hit
-                self.cached_bytes += size
+        rows = need.nonzero().flatten()  # [n]
         tp = torch.zeros(S, len(self.ids), dtype=torch.float32, device=last.device)  # [S, Vd]
         tid = torch.zeros(S, dtype=torch.long, device=last.device)  # [S]
-        tp[need], tid[need] = hit
+        hit = self.cache.get(key) if key is not None else None
+        if hit is not None:
+            tp[rows], tid[rows] = hit
+            return tp, tid
+        # written into place chunk by chunk (the head's own chunks): a long sample holds one copy of its targets
+        chunk = self.head.CHUNK
+        for c in range(0, len(rows), chunk):
+            r = rows[c:c + chunk]
+            tp[r], tid[r] = self.head.targets(last[r], self.ids, chunk=chunk)  # [c, Vd], [c]
+        if key is not None:
+            size = len(rows) * (len(self.ids) * tp.element_size() + tid.element_size())
+            if self.cached_bytes + size <= self.cache_bytes:
+                self.cache[key] = (tp[rows], tid[rows])
+                self.cached_bytes += size
         return tp, tid
 
 

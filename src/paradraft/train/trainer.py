@@ -10,6 +10,7 @@ torchrun gives DDP (gloo on CPU, NCCL on GPU); --fsdp shards the drafter instead
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -52,6 +53,7 @@ from ..utils import (
 from ..verifier import adapter_for, load_verifier, resolve_verifier
 from .data import TARGET_CACHE_BYTES, OfflineSource, OnlineSource, TargetHead, epoch_plan
 from .distributed import full_state_dict, load_full_state_dict, shard_fsdp
+from .partition import partitioned
 from .plot import plot_metrics
 
 # 2-D weights that stay with AdamW under --optimizer muon: token embeddings and the output head are lookup tables /
@@ -331,6 +333,14 @@ class Trainer:
             raise TrainingError("no training samples (the hidden states hold none of the train split?)")
         self.lengths = {int(i): int(self.ds.offsets[i + 1] - self.ds.offsets[i]) for i in
                         np.concatenate([self.train_idx, self.val_idx])}
+        # sequence partitioning (train/partition.py): a pack of more slots trains in partitions of this many anchors
+        self.partition_tokens = cfg.partition_tokens or cfg.batch_tokens
+        longest = max(self.lengths.values()) - 1  # slots of the longest sample
+        if cfg.fsdp and self.dist.enabled and max(longest, cfg.batch_tokens) > self.partition_tokens:
+            raise TrainingError(f"--fsdp: packs of up to {max(longest, cfg.batch_tokens)} slots are longer than "
+                                f"--partition-tokens {self.partition_tokens}, and sequence partitioning runs under DDP "
+                                f"only (FSDP's collectives need the same number of passes on every rank); drop --fsdp, "
+                                f"or raise --partition-tokens to {max(longest, cfg.batch_tokens)}")
 
         # ---- vocabulary and model
         V = adapter_for(verifier).embedding_rows(verifier)  # rows, not tokenizer length (padded vocabularies)
@@ -384,7 +394,10 @@ class Trainer:
             return shard_fsdp(model)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(model, device_ids=[self.dist.local_rank] if self.device.startswith("cuda") else None)
+        # the buffers (d2t, t2d, rope) never change: no broadcast in each forward, so a partitioned pack's extra
+        # forwards (under no_sync) need no collective the other ranks would have to match
+        return DDP(model, device_ids=[self.dist.local_rank] if self.device.startswith("cuda") else None,
+                   broadcast_buffers=False)
 
     # ------------------------------------------------------------------------------------------ schedule
 
@@ -531,13 +544,20 @@ class Trainer:
             if cfg.hidden_noise > 0:
                 b = dataclasses.replace(b, hidden=noisy(b.hidden, cfg.hidden_noise, self.gen))
             n_tok += len(b)
-            with torch.autocast(self.device.split(":")[0], dtype=getattr(torch, self.autocast),
-                                enabled=self.autocast != "float32"):
-                loss, stats = self.wrapped(b, generator=self.gen, **self.train_args)
-            if not torch.isfinite(loss):
-                raise TrainingError(f"non-finite loss {float(loss.detach())} at step {self.step} (lr {lr:.2e}); "
-                                    f"the last good checkpoint is kept in {self.ckpt_dir}")
-            (loss / cfg.grad_accum).backward()
+
+            def check(loss):
+                if not torch.isfinite(loss):
+                    raise TrainingError(f"non-finite loss {float(loss.detach())} at step {self.step} (lr {lr:.2e}); "
+                                        f"the last good checkpoint is kept in {self.ckpt_dir}")
+
+            if len(b) > self.partition_tokens:  # one long sample: its partitions, last first, one backward each
+                loss, stats = self._partitioned(self.wrapped, b, self.gen, self.train_args, 1.0 / cfg.grad_accum,
+                                                check)
+            else:
+                with self._autocast():
+                    loss, stats = self.wrapped(b, generator=self.gen, **self.train_args)
+                check(loss)
+                (loss / cfg.grad_accum).backward()
             loss_sum += float(loss.detach()) / cfg.grad_accum
             stats_acc = _merge(stats_acc, stats)
         gnorm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
@@ -545,6 +565,25 @@ class Trainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss_sum, stats_acc, n_tok, float(gnorm)
+
+    def _autocast(self):
+        return torch.autocast(self.device.split(":")[0], dtype=getattr(torch, self.autocast),
+                              enabled=self.autocast != "float32")
+
+    def _partitioned(self, module, b, generator, args, scale, check=None):
+        """One pack in partitions of --partition-tokens anchors (train/partition.py); `scale` None = evaluation.
+        Under DDP every partition but the last runs in no_sync: one gradient all-reduce per pack, as unpartitioned."""
+        ddp = module is not self.model and not self.cfg.fsdp
+
+        def call(sub, **kw):
+            with self._autocast():
+                return module(sub, **kw)
+
+        def sync(last):
+            return module.no_sync() if ddp and not last else contextlib.nullcontext()
+
+        return partitioned(call, self.model, b, self.partition_tokens, self.num_depths, self.num_depths, args,
+                           generator=generator, scale=scale, sync=sync, check=check)
 
     def train(self) -> dict:
         """Run training to the end (or to a signal); returns the final metrics."""
@@ -681,9 +720,11 @@ class Trainer:
             t2d = self.model.t2d.to(b.target_ids.device)
             covered += int(t2d[b.target_ids[b.valid]].sum())
             trained += int(b.valid.sum())
-            with torch.autocast(self.device.split(":")[0], dtype=getattr(torch, self.autocast),
-                                enabled=self.autocast != "float32"):
-                loss, stats = self.model(b, generator=torch.Generator().manual_seed(0), **args)
+            if len(b) > self.partition_tokens:  # a long sample: in partitions, as training runs it
+                loss, stats = self._partitioned(self.model, b, torch.Generator().manual_seed(0), args, None)
+            else:
+                with self._autocast():
+                    loss, stats = self.model(b, generator=torch.Generator().manual_seed(0), **args)
             stats["loss"] = float(loss)
             stats_acc = _merge(stats_acc, stats)
             a, d, c, v = stats["elements"]
@@ -724,7 +765,7 @@ def _merge(acc: dict | None, stats: dict) -> dict:
 
 # flags that do not change what a finished run produced (where files are, how often it saved and logged)
 IDENTITY_IGNORES = ("resume", "overwrite", "device", "output", "data", "hidden_states", "save_every", "time_limit",
-                    "keep_checkpoints", "log_every", "attention")
+                    "keep_checkpoints", "log_every", "attention", "partition_tokens")
 
 
 # flags added after runs were finished without them: {flag: the value those runs ran with}. At that value a flag is

@@ -12,6 +12,8 @@ from .adapters import adapter_for
 class VerifierHead:
     """final norm + lm_head of a verifier (its own modules, on the device given)."""
 
+    CHUNK = 1024  # rows per lm_head call in `targets`
+
     def __init__(self, model, device: str = "cpu"):
         self.adapter, self.model = adapter_for(model), model
         self.norm = self.adapter.final_norm(model)
@@ -29,7 +31,7 @@ class VerifierHead:
         return self.adapter.logits(self.model, normed, small_m=False).float()  # [S, V]
 
     @torch.no_grad()
-    def targets(self, last_hidden: torch.Tensor, draft_target_ids: torch.Tensor, chunk: int = 1024):
+    def targets(self, last_hidden: torch.Tensor, draft_target_ids: torch.Tensor, chunk: int = CHUNK):
         """last_hidden [S, H] -> (target_p [S, Vd] float32 over the draft vocabulary, target_ids [S] the argmax over
         the FULL vocabulary)."""
         ps = [torch.zeros(0, len(draft_target_ids), device=self.device)]  # [0, Vd]: no rows gives empty targets
