@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from .config import RegenerateConfig
 from .data.sources import Skip, content_text, read_source
-from .data.template import encode_prompt, stop_token_ids
+from .data.template import encode_prompt, split_thinking, stop_token_ids, thinking_kwargs
 from .decode.engine import Engine, GenerationConfig
 from .errors import UserError
 from .outputs import OutputError, check_writable, output_lock
@@ -92,13 +92,18 @@ def writer_name(cfg: RegenerateConfig) -> str:
 
 
 def chat_endpoint(url: str, model: str, messages: list[dict], max_tokens: int, temperature: float = 0.0,
-                  top_p: float = 1.0, seed: int = 0, timeout: float = 300.0) -> tuple[str, bool]:
+                  top_p: float = 1.0, seed: int = 0, timeout: float = 300.0,
+                  reasoning: str | None = None) -> tuple[str, bool]:
     """One chat completion from an OpenAI-compatible server -> (answer, cut at max_tokens). Anything but a JSON
     chat completion (an HTML page, a proxy's error, a reset connection, no reply within `timeout`) is an
     EndpointError naming the URL. An answer with no text (content "" or null) comes back as "": the caller does
-    not write it."""
+    not write it. `reasoning` keep | drop is sent as the template's enable_thinking (vLLM's chat_template_kwargs);
+    a server that returns the thinking apart (`reasoning_content`) gets it put back in front of the answer, as the
+    template renders it, when kept."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens,
             "temperature": temperature, "top_p": top_p, "seed": seed}
+    if reasoning is not None:
+        body["chat_template_kwargs"] = {"enable_thinking": reasoning == "keep"}
     req = urllib.request.Request(url.rstrip("/") + "/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     try:
@@ -121,12 +126,30 @@ def chat_endpoint(url: str, model: str, messages: list[dict], max_tokens: int, t
     try:
         choice = reply["choices"][0]
         content = choice["message"].get("content")
+        thought = choice["message"].get("reasoning_content") or choice["message"].get("reasoning")
     except (KeyError, IndexError, TypeError, AttributeError):
         raise EndpointError(f"--endpoint {url}: not a chat completion: {_shown(raw)}") from None
     text = content_text(content) if content is not None else ""
     if text is None:
         raise EndpointError(f"--endpoint {url}: the answer's content is neither text nor text parts: {_shown(raw)}")
-    return text, choice.get("finish_reason") == "length"
+    if isinstance(thought, str) and thought.strip() and text.strip() and "</think>" not in text:
+        text = f"<think>\n{thought.strip()}\n</think>\n\n{text}"
+    return _reasoning_rule(text, reasoning), choice.get("finish_reason") == "length"
+
+
+def _reasoning_rule(text: str, reasoning: str | None) -> str:
+    """An answer as written: with --reasoning drop, any thinking block the verifier still wrote is left out."""
+    return split_thinking(text)[1].strip() if reasoning == "drop" else text
+
+
+def decode_answer(tok, ids: list[int]) -> str:
+    """Generated ids -> the answer's text: special tokens left out, except a thinking block's <think> / </think>
+    (the chat template renders them inside the assistant turn, so training sees them)."""
+    keep = {tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>") if t in tok.get_vocab()}
+    if not keep:
+        return tok.decode(ids, skip_special_tokens=True).strip()
+    drop = set(tok.all_special_ids) - keep
+    return tok.decode([t for t in ids if t not in drop], skip_special_tokens=False).strip()
 
 
 def _shown(raw: bytes | str, n: int = 120) -> str:
@@ -135,10 +158,12 @@ def _shown(raw: bytes | str, n: int = 120) -> str:
     return repr(text[:n] + ("..." if len(text) > n else ""))
 
 
-def prompt_ids(tok, conversations: list[list[dict]], max_prompt_tokens: int) -> list[list[int]]:
-    """Token ids each engine generates from: the chat template with the generation prompt, the last
-    `max_prompt_tokens` kept."""
-    return [encode_prompt(tok, {"messages": m})[-max_prompt_tokens:] for m in conversations]
+def prompt_ids(tok, conversations: list[list[dict]], max_prompt_tokens: int,
+               reasoning: str | None = None) -> list[list[int]]:
+    """Token ids each engine generates from: the chat template with the generation prompt (and the thinking
+    switch of --reasoning), the last `max_prompt_tokens` kept."""
+    kw = thinking_kwargs(tok, reasoning)
+    return [encode_prompt(tok, {"messages": m}, **kw)[-max_prompt_tokens:] for m in conversations]
 
 
 class LocalGenerator:
@@ -156,12 +181,12 @@ class LocalGenerator:
     @torch.inference_mode()
     def __call__(self, conversations: list[list[dict]]) -> list[tuple[str, bool]]:
         """Answers to conversations: (text, truncated = stopped by the length limit, not by a stop token)."""
-        ids = prompt_ids(self.tok, conversations, self.cfg.max_prompt_tokens)
+        ids = prompt_ids(self.tok, conversations, self.cfg.max_prompt_tokens, self.cfg.reasoning)
         self.gcfg.seed = self.cfg.seed + self.calls
         self.calls += 1
         outs = self.engine.generate(ids, self.gcfg)
-        return [(self.tok.decode(o.token_ids, skip_special_tokens=True).strip(), o.finish_reason == "length")
-                for o in outs]
+        return [(_reasoning_rule(decode_answer(self.tok, o.token_ids), self.cfg.reasoning),
+                 o.finish_reason == "length") for o in outs]
 
 
 class VllmGenerator:
@@ -178,7 +203,7 @@ class VllmGenerator:
         self.calls, self.failed = 0, False
 
     def __call__(self, conversations: list[list[dict]]) -> list[tuple[str, bool]]:
-        ids = prompt_ids(self.tok, conversations, self.cfg.max_prompt_tokens)
+        ids = prompt_ids(self.tok, conversations, self.cfg.max_prompt_tokens, self.cfg.reasoning)
         seeds = None
         if self.cfg.temperature > 0:  # one seed per request, different on every call
             seeds = [self.cfg.seed * 1_000_003 + self.calls * len(ids) + i for i in range(len(ids))]
@@ -189,7 +214,7 @@ class VllmGenerator:
         except VllmError:
             self.failed = True  # the error names the log: keep it
             raise
-        return [(self.tok.decode(t, skip_special_tokens=True).strip(), f == "length")
+        return [(_reasoning_rule(decode_answer(self.tok, t), self.cfg.reasoning), f == "length")
                 for t, f in zip(r["tokens"], r["finish"])]
 
     def close(self) -> None:
@@ -296,7 +321,7 @@ def _regenerate(cfg: RegenerateConfig, out: Path, generator, share: tuple | None
             break
         head = [m for m in c["messages"] if m["role"] == "system"][:1] + \
             [m for m in c["messages"] if m["role"] == "user"][:1]
-        n = len(encode_prompt(tok, {"messages": head})) if tok is not None else 0
+        n = len(encode_prompt(tok, {"messages": head}, **thinking_kwargs(tok, cfg.reasoning))) if tok is not None else 0
         if n > cfg.max_prompt_tokens:
             skipped["prompt_too_long"] = skipped.get("prompt_too_long", 0) + 1
             continue
@@ -315,7 +340,8 @@ def _regenerate(cfg: RegenerateConfig, out: Path, generator, share: tuple | None
 
             def generator(batch):
                 return list(pool.map(lambda m: chat_endpoint(cfg.endpoint, model, m, cfg.max_new_tokens,
-                                                             cfg.temperature, cfg.top_p, cfg.seed, cfg.timeout),
+                                                             cfg.temperature, cfg.top_p, cfg.seed, cfg.timeout,
+                                                             cfg.reasoning),
                                      batch))
         elif cfg.engine == "vllm":
             generator = VllmGenerator(cfg, out.resolve().parent)

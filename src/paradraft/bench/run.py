@@ -79,7 +79,33 @@ def bench_identity(cfg: BenchConfig) -> str:
     return fingerprint({"config": kept, "inputs": inputs})
 
 
-def _summ(results, wall: float) -> dict:
+CONTEXT_BUCKETS = (0, 512, 1024, 2048, 4096, 8192, 16384, 32768)  # prompt tokens: [edge, next edge)
+
+
+def context_bucket(n: int) -> str:
+    """The prompt-length bucket of a prompt of n tokens, e.g. '2048-4095' or '32768+'."""
+    lo = max(e for e in CONTEXT_BUCKETS if e <= n)
+    i = CONTEXT_BUCKETS.index(lo)
+    return f"{lo}+" if i == len(CONTEXT_BUCKETS) - 1 else f"{lo}-{CONTEXT_BUCKETS[i + 1] - 1}"
+
+
+def acceptance_by_context(runs: list[dict]) -> dict:
+    """{bucket: {"prompts", "passes", "acceptance_length"}} over the repeats' per-prompt records
+    ([prompt tokens, accepted drafts, verifier passes] each), buckets of prompt tokens in order."""
+    acc: dict[str, list[int]] = {}
+    for r in runs:
+        for n, accepted, passes in r.get("by_prompt") or []:
+            a = acc.setdefault(context_bucket(n), [0, 0, 0])
+            a[0] += 1
+            a[1] += accepted
+            a[2] += passes
+    order = [context_bucket(e) for e in CONTEXT_BUCKETS]
+    return {b: {"prompts": acc[b][0] // max(1, len(runs)), "passes": acc[b][2],
+                "acceptance_length": 1.0 + acc[b][1] / acc[b][2] if acc[b][2] else 1.0}
+            for b in order if b in acc}
+
+
+def _summ(results, wall: float, prompts=None) -> dict:
     toks = sum(len(r.token_ids) for r in results)
     acc = [a for r in results for a in r.accepted_per_pass]
     K = max([0] + acc)
@@ -88,13 +114,15 @@ def _summ(results, wall: float) -> dict:
     return {"tokens": toks, "wall_s": wall, "passes": len(acc),
             "acceptance_length": (float(np.mean(acc)) + 1) if acc else 1.0,
             "accepted": acc, "draft_s": draft, "verify_s": verify, "K_seen": K,
+            "by_prompt": [[len(p), int(sum(r.accepted_per_pass)), len(r.accepted_per_pass)]
+                          for p, r in zip(prompts, results)] if prompts is not None else None,
             "output_digest": fingerprint([list(map(int, r.token_ids)) for r in results])}
 
 
 def _run_engine(engine: Engine, prompts, g: GenerationConfig) -> dict:
     t0 = time.perf_counter()
     res = [engine.generate([p], g)[0] for p in prompts]
-    return _summ(res, time.perf_counter() - t0)
+    return _summ(res, time.perf_counter() - t0, prompts)
 
 
 def _run_prompt_lookup(model, prompts, g: GenerationConfig, k: int, pad_id) -> dict:
@@ -188,9 +216,11 @@ def _bench(cfg: BenchConfig) -> dict:
             methods.append((d.cfg.algorithm, path, d, k))
     if cfg.prompt_lookup and cfg.temperature <= 0:
         methods += [("prompt_lookup", None, None, k) for k in cfg.num_speculative_tokens]
-    engines = {None: Engine(model, max_len=8192)}
+    # room for the longest prompt and its answer (long-context prompt files), at least the 8192 it always had
+    max_len = max(8192, max(len(p) for p in prompts) + cfg.max_new_tokens + max(cfg.num_speculative_tokens) + 16)
+    engines = {None: Engine(model, max_len=max_len)}
     for path, d in drafters:
-        engines[path] = Engine(model, d, max_len=8192)
+        engines[path] = Engine(model, d, max_len=max_len)
     runs: dict[tuple, list[dict]] = {(m, p, k): [] for m, p, _, k in methods}
     warm = GenerationConfig(max_new_tokens=8, eos_token_ids=eos)
     _run_engine(engines[None], prompts[:1], warm)
@@ -217,6 +247,7 @@ def _bench(cfg: BenchConfig) -> dict:
             "method": m, "drafter": path, "k": k,
             "acceptance_length": float(np.mean([r["acceptance_length"] for r in rs])) if m != "plain" else 1.0,
             "per_position_acceptance": per_pos, "tokens_per_s": tps, "speedup": median_speedup(per),
+            "acceptance_by_context": acceptance_by_context(rs) if m not in ("plain", "prompt_lookup") else None,
             "speedup_per_repeat": per,
             "draft_fraction": ds / (ds + vs) if ds + vs > 0 and m != "plain" else None,
             "tokens": int(np.median([r["tokens"] for r in rs])),
@@ -279,6 +310,16 @@ def format_table(out: dict) -> str:
         name = names[r["drafter"]] if r["drafter"] else "-"
         lines.append(f"| {r['method']} | {name} | {r['k']} | {r['acceptance_length']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['speedup']:.2f}x | {df} | {pp} |")
+    by = [r for r in out["results"] if r.get("acceptance_by_context")]
+    buckets = [b for b in dict.fromkeys(k for r in by for k in r["acceptance_by_context"])]
+    if len(buckets) > 1:  # prompts of several lengths: acceptance length by prompt tokens (prompts in each)
+        lines += ["", "acceptance length by prompt tokens (prompts)",
+                  "| method | drafter | K | " + " | ".join(buckets) + " |", "| --- " * (3 + len(buckets)) + "|"]
+        for r in by:
+            cells = [f"{r['acceptance_by_context'][b]['acceptance_length']:.2f} "
+                     f"({r['acceptance_by_context'][b]['prompts']})" if b in r["acceptance_by_context"] else "-"
+                     for b in buckets]
+            lines.append(f"| {r['method']} | {names[r['drafter']]} | {r['k']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ from ..errors import DataError, UserError
 from ..outputs import check_replaceable, claim_dir, output_lock, replace_dir
 from ..utils import fingerprint, read_json, read_json_input, save_npy, write_json
 from ..verifier import load_tokenizer
-from .sources import Skip, read_source, source_fingerprint
+from .sources import Skip, join_parts, read_source, source_fingerprint
 from .template import TemplateError, segment_conversation, set_chat_template, template_info, tokenize_segments
 
 FORMAT_VERSION = 2  # 2: duplicate conversations removed before the split
@@ -36,13 +36,45 @@ class DatasetExistsError(UserError, FileExistsError):
 
 
 def _identity(cfg: PrepareConfig, tokenizer) -> dict:
-    return {
+    identity = {
         "format_version": FORMAT_VERSION,
         "sources": [source_fingerprint(s) for s in cfg.data],
         "verifier": cfg.verifier, "seq_length": cfg.seq_length, "max_samples": cfg.max_samples, "seed": cfg.seed,
         "val_fraction": cfg.val_fraction, "last_turn_only": cfg.last_turn_only,
         "chat_template": fingerprint(tokenizer.chat_template),
     }
+    # options added later: recorded only when they change what was written, so datasets prepared before they
+    # existed keep their identity (and are reused)
+    if cfg.long_conversations != "truncate":
+        identity["long_conversations"] = cfg.long_conversations
+    if cfg.join_parts:
+        identity["join_parts"] = True
+    return identity
+
+
+def split_long(ids: list[int], mask: list[int], seq_length: int) -> list[tuple[list[int], list[int]]]:
+    """A tokenized conversation longer than `seq_length` -> windows of at most `seq_length` tokens.
+
+    Every trained (mask 1) token is trained in exactly one window, where it is new; the tokens before it in that
+    window are context (mask 0 there). A window ends at the end of an assistant turn where one fits (else it is
+    cut inside a turn, which the next window continues) and carries as much preceding context as fits: it begins
+    `seq_length` tokens before its end (or at the conversation's start). Windows without a trained token after
+    their first position are left out.
+    """
+    L = len(ids)
+    if L <= seq_length:
+        return [(ids, mask)]
+    ends = [p for p in range(1, L) if mask[p - 1] and not mask[p]] + [L]  # ends of assistant turns (and the end)
+    out, c = [], 0
+    while c < L:
+        fit = [e for e in ends if c < e <= c + seq_length]
+        b = max(fit) if fit else min(L, c + seq_length)
+        a = max(0, b - seq_length)
+        w_mask = [0] * (c - a) + mask[c:b]
+        if any(w_mask[1:]):  # position 0 is never predicted
+            out.append((ids[a:b], w_mask))
+        c = b
+    return out
 
 
 def _legacy_dataset(path: Path) -> bool:
@@ -98,7 +130,10 @@ def _prepare(cfg: PrepareConfig, tokenizer, info, identity: dict, out: Path) -> 
     convs: list[dict] = []
     seen: set[str] = set()
     for spec in cfg.data:
-        for item in tqdm(read_source(spec), desc=f"read {spec}", unit=" conv", leave=False, disable=None):
+        items = read_source(spec)
+        if cfg.join_parts:
+            items = join_parts(items)
+        for item in tqdm(items, desc=f"read {spec}", unit=" conv", leave=False, disable=None):
             if isinstance(item, Skip):
                 skipped[item.reason] += 1
                 continue
@@ -113,9 +148,11 @@ def _prepare(cfg: PrepareConfig, tokenizer, info, identity: dict, out: Path) -> 
     random.Random(cfg.seed).shuffle(convs)
 
     samples: list[tuple[str, list[int], list[int]]] = []
-    limit = cfg.max_samples if cfg.max_samples is not None else len(convs)
+    conv_of: list[int] = []  # the conversation each sample comes from (its windows stay in one split)
+    n_split = 0
+    limit = cfg.max_samples if cfg.max_samples is not None else float("inf")  # samples (a split conversation: several)
     chunk = 256
-    bar = tqdm(total=min(limit, len(convs)), desc="prepare", unit=" sample", disable=None)
+    bar = tqdm(total=min(limit, len(convs)), desc="prepare", unit=" conv", disable=None)
     pos = 0
     while pos < len(convs) and len(samples) < limit:
         batch = convs[pos:pos + chunk]
@@ -129,14 +166,21 @@ def _prepare(cfg: PrepareConfig, tokenizer, info, identity: dict, out: Path) -> 
                 skipped["template_mismatch"] += 1
             except Exception:  # jinja raising on a conversation it rejects (e.g. role order)
                 skipped["template_error"] += 1
-        for conv, (ids, mask) in zip(kept, tokenize_segments(tokenizer, segmented, cfg.last_turn_only)):
-            ids, mask = ids[:cfg.seq_length], mask[:cfg.seq_length]
-            if not any(mask[1:]):  # position 0 is never predicted
+        for ci, (conv, (ids, mask)) in enumerate(zip(kept, tokenize_segments(tokenizer, segmented,
+                                                                            cfg.last_turn_only))):
+            if cfg.long_conversations == "split" and len(ids) > cfg.seq_length:
+                windows = split_long(ids, mask, cfg.seq_length)
+                n_split += 1
+            else:
+                windows = [(ids[:cfg.seq_length], mask[:cfg.seq_length])]
+            if not any(mask[1:]) or not windows or not any(windows[0][1][1:]):  # position 0 is never predicted
                 skipped["empty_loss_mask_after_truncation"] += 1
                 continue
-            if len(samples) < limit:
-                samples.append((conv["id"], ids, mask))
-                bar.update(1)
+            for w, (w_ids, w_mask) in enumerate(windows):
+                if len(samples) < limit:
+                    samples.append((conv["id"] if len(windows) == 1 else f"{conv['id']}#{w}", w_ids, w_mask))
+                    conv_of.append(pos - len(batch) + ci)
+            bar.update(1)
     bar.close()
     if not samples:
         raise DataError(f"--data {' '.join(cfg.data)}: no usable samples; skipped: {dict(skipped)}")
@@ -146,6 +190,10 @@ def _prepare(cfg: PrepareConfig, tokenizer, info, identity: dict, out: Path) -> 
     if cfg.val_fraction > 0 and n >= 2:
         n_val = max(1, n_val)
     n_val = min(n_val, n - 1)
+    start = n - n_val  # the split falls between conversations: a conversation's windows never straddle it
+    while 0 < start < n and conv_of[start] == conv_of[start - 1]:
+        start += 1
+    n_val = n - start
     lengths = np.array([len(s[1]) for s in samples], dtype=np.int64)
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -162,6 +210,8 @@ def _prepare(cfg: PrepareConfig, tokenizer, info, identity: dict, out: Path) -> 
         "num_samples": n, "num_train": n - n_val, "num_val": n_val,
         "num_tokens": int(offsets[-1]), "num_loss_tokens": int(loss_mask.sum()),
         "skipped": dict(sorted(skipped.items())), "verifier": cfg.verifier, "seq_length": cfg.seq_length,
+        "long_conversations": {"mode": cfg.long_conversations, "conversations_split": n_split,
+                               "conversations": len(set(conv_of))},
         "sources": list(cfg.data), "vocab_size": vocab_size,
         "template": {"assistant_header": info.header, "end_of_turn": info.end_of_turn},
         "config": config_to_dict(cfg), "identity": identity, "seconds": round(time.time() - t0, 2),

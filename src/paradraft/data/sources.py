@@ -10,7 +10,7 @@ import gzip
 import importlib.util
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -277,3 +277,46 @@ def source_fingerprint(spec: str) -> str:
         return spec
     st = path.stat()
     return f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+
+
+_PART = re.compile(r"^(.+)_(\d+)$")
+
+
+def join_parts(items: Iterable[dict | Skip]) -> Iterator[dict | Skip]:
+    """Reassemble conversations stored in parts: records whose ids are PREFIX_N (the packaged ShareGPT is the
+    *split* corpus: 17,671 records, parts of 9,460 conversations) become one conversation with id PREFIX, its parts'
+    messages in the order of N. Where two parts meet on the same role, the two turns are joined into one (a part
+    cut inside a turn). Records without a numeric suffix pass as they are; conversations come in the order of
+    their first part. `parts` in a joined record counts them."""
+    groups: dict[str, list[tuple[int, dict]]] = {}
+    order: list[str | dict | Skip] = []
+    for item in items:
+        m = _PART.match(item["id"]) if isinstance(item, dict) else None
+        if m is None:
+            order.append(item)
+            continue
+        key = m.group(1)
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append((int(m.group(2)), item))
+    for entry in order:
+        if not isinstance(entry, str):
+            yield entry
+            continue
+        parts = sorted(groups[entry], key=lambda x: x[0])
+        if len(parts) == 1:
+            yield parts[0][1]
+            continue
+        messages: list[dict] = []
+        for _, part in parts:
+            for msg in part["messages"]:
+                if messages and messages[-1]["role"] == msg["role"] and msg["role"] != "system":
+                    messages[-1] = {**messages[-1], "content": messages[-1]["content"] + "\n\n" + msg["content"]}
+                elif msg["role"] == "system" and messages:
+                    continue  # one system turn, the first part's
+                else:
+                    messages.append(dict(msg))
+        joined = {**parts[0][1], "id": entry, "messages": messages, "parts": len(parts)}
+        joined["tool_turns_left_out"] = sum(p.get("tool_turns_left_out", 0) for _, p in parts)
+        yield joined

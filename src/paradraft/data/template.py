@@ -155,12 +155,32 @@ def tokenize_segments(tokenizer, convs_segments: list[list[tuple[str, bool]]], l
     return out
 
 
-def encode_prompt(tokenizer, rec: dict) -> list[int]:
-    """Token ids of a prompt record through the chat template (generation prompt appended)."""
+def thinking_kwargs(tokenizer, reasoning: str | None, flag: str = "--reasoning") -> dict:
+    """The chat template's keyword for `reasoning` (keep | drop | None = the template's default): Qwen3's
+    `enable_thinking`. A template without that switch cannot do what was asked: a one-line TemplateError."""
+    if reasoning is None:
+        return {}
+    if "enable_thinking" not in (getattr(tokenizer, "chat_template", None) or ""):
+        raise TemplateError(f"{flag} {reasoning}: this verifier's chat template has no thinking switch "
+                            f"(enable_thinking), so there is no thinking to {reasoning}")
+    return {"enable_thinking": reasoning == "keep"}
+
+
+def split_thinking(text: str) -> tuple[str, str]:
+    """An answer -> (its thinking block's text, what follows it); ("", text) when it has none."""
+    if "</think>" not in text:
+        return "", text
+    head, answer = text.split("</think>", 1)
+    return head.split("<think>")[-1].strip("\n"), answer.lstrip("\n")
+
+
+def encode_prompt(tokenizer, rec: dict, **template_kwargs) -> list[int]:
+    """Token ids of a prompt record through the chat template (generation prompt appended); `template_kwargs`
+    reach the template (e.g. `thinking_kwargs`)."""
     msgs = rec.get("messages") or [{"role": "user", "content": rec["prompt"]}]
     if msgs and msgs[-1].get("role") == "assistant":
         msgs = msgs[:-1]
-    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **template_kwargs)
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
