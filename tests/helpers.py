@@ -207,3 +207,15 @@ def drafter_for(verifier, algorithm: str, seed: int = 0, draft_vocab: int = 60):
             if p.requires_grad and p.dim() >= 1 and "norm" not in n:
                 p.normal_(0, 0.3)
     return model.eval()
+
+
+def send_json(handler, obj, status: int = 200) -> None:
+    """Reply to an http.server request with a JSON body (the tests' small OpenAI-compatible servers)."""
+    import json
+
+    data = json.dumps(obj).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)

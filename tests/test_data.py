@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import make_tiny_llama, make_tokenizer
+from helpers import make_tiny_llama, make_tokenizer, send_json
 from paradraft.config import ConfigError, PrepareConfig, RegenerateConfig, build_config
 from paradraft.data.prepare import DatasetExistsError, PreparedDataset, prepare, preview
 from paradraft.data.template import TemplateError, segment_conversation, template_info, tokenize_segments
@@ -256,12 +256,7 @@ class _ChatServer(BaseHTTPRequestHandler):
         last = body["messages"][-1]["content"]
         reply = {"choices": [{"message": {"role": "assistant", "content": f"echo: {last}"},
                               "finish_reason": "length" if "3" in last else "stop"}]}
-        data = json.dumps(reply).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, reply)
 
     def log_message(self, *a):
         pass

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from helpers import QWEN3, make_tokenizer, save_tiny_verifier
+from helpers import QWEN3, make_tokenizer, save_tiny_verifier, send_json
 from paradraft.bench.run import acceptance_by_context, context_bucket, format_table
 from paradraft.cli import main
 from paradraft.config import PrepareConfig
@@ -82,6 +82,19 @@ def test_prepare_keeps_long_conversations_as_several_samples(tmp_path):
     assert kept["num_loss_tokens"] == whole["num_loss_tokens"]
     # the default (truncate) identity is the one datasets prepared before the option had: they are reused
     assert "long_conversations" not in cut["identity"] and kept["identity"]["long_conversations"] == "split"
+    # bench's held-out prompts: up to the first assistant turn, or the whole context up to the last one
+    from paradraft.bench.run import load_prompts
+
+    whole_ds = PreparedDataset(tmp_path / "whole")
+    first = load_prompts("sharegpt-val", 50, tok, str(tmp_path / "whole"))
+    last = load_prompts("sharegpt-val", 50, tok, str(tmp_path / "whole"), val_context="last")
+    val = [i for i in range(len(whole_ds)) if whole_ds.split[i]]
+    assert len(first) == len(last) == len(val) and any(len(b) > len(a) for a, b in zip(first, last))
+    for i, a, b in zip(val, first, last):
+        ids, mask = whole_ds.sample(i)
+        assert ids[:len(b)].tolist() == b and b[:len(a)] == a  # a prefix of the sample, the first prompt's too
+        rest = mask[len(b):]
+        assert rest[0] and not mask[len(b) - 1] and not (rest[1:] & ~rest[:-1]).any()  # the last assistant turn
 
 
 def test_join_parts_reassembles_sharegpt_parts_in_suffix_order(tmp_path):
@@ -122,12 +135,7 @@ class _ThinkingServer(BaseHTTPRequestHandler):
         msg = {"role": "assistant", "content": f"Answer {turn}."}
         if think:
             msg["reasoning_content"] = f"Let me think about question {turn}."
-        data = json.dumps({"choices": [{"message": msg, "finish_reason": "stop"}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, {"choices": [{"message": msg, "finish_reason": "stop"}]})
 
     def log_message(self, *a):
         pass

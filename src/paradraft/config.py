@@ -548,6 +548,9 @@ class BenchConfig(Checked):
     dataset: str = opt("sharegpt-val",
                        help="sharegpt-val (held-out split of --data) | humaneval | FILE.jsonl (prompts)")
     data: str = opt("runs/quickstart/data", help="prepared data whose validation split is sharegpt-val")
+    val_context: str = opt("first", help="with sharegpt-val: prompt with each held-out sample up to its first "
+                           "assistant turn, or up to its last (the whole multi-turn context: long prompts)",
+                           choices=["first", "last"])
     num_prompts: int = opt(8, help="prompts", ge=1)
     max_new_tokens: int = opt(128, help="tokens per answer", ge=1)
     temperature: float = opt(0.0, help="0 = greedy", ge=0)

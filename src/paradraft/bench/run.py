@@ -42,9 +42,11 @@ from .metrics import median_speedup, speedup_per_repeat, tokens_per_s
 from .vllm import bench_vllm
 
 
-def load_prompts(dataset: str, num_prompts: int, tok, data: str | None = None) -> list[list[int]]:
+def load_prompts(dataset: str, num_prompts: int, tok, data: str | None = None,
+                 val_context: str = "first") -> list[list[int]]:
     """Token ids of the benchmark prompts (chat template applied, generation prompt appended): `dataset` is
-    humaneval, sharegpt-val (the held-out split of the prepared `data`) or a prompts JSONL file."""
+    humaneval, sharegpt-val (the held-out split of the prepared `data`: each sample up to its first assistant turn,
+    or with `val_context` "last" up to its last one) or a prompts JSONL file."""
     if dataset == "humaneval":
         recs = [{"prompt": r["messages"][0]["content"]} for r in read_humaneval()]
         return [encode_prompt(tok, r) for r in recs[:num_prompts]]
@@ -53,9 +55,13 @@ def load_prompts(dataset: str, num_prompts: int, tok, data: str | None = None) -
         out = []
         for i in ds.indices("val"):
             ids, mask = ds.sample(int(i))
-            first = int(np.argmax(mask)) if mask.any() else 0
+            if val_context == "last":  # the start of the last trained run: the whole context before that turn
+                starts = np.flatnonzero(mask[1:] & ~mask[:-1]) + 1
+                first = int(starts[-1]) if len(starts) else 0
+            else:
+                first = int(np.argmax(mask)) if mask.any() else 0
             if first > 0:
-                out.append(ids[:first].tolist())  # system + first user turn + assistant header
+                out.append(ids[:first].tolist())  # system + user turn(s) (and answers) + assistant header
             if len(out) >= num_prompts:
                 break
         if not out:
@@ -69,6 +75,8 @@ def bench_identity(cfg: BenchConfig) -> str:
     """What a result was measured on: the flags (less where it is written), the prompts' source and every
     drafter's weights and config."""
     kept = {k: v for k, v in config_to_dict(cfg).items() if k not in ("output", "plot", "reuse")}
+    if kept.get("val_context") == "first":  # added later: results measured before it keep their identity
+        del kept["val_context"]
     inputs = {"drafters": [[sha256_file(Path(d) / "model.safetensors") if (Path(d) / "model.safetensors").is_file()
                             else None, fingerprint(read_json(Path(d) / "config.json"))] for d in cfg.drafter
                            if (Path(d) / "config.json").is_file()]}
@@ -191,7 +199,7 @@ def _bench(cfg: BenchConfig) -> dict:
             return old
     if cfg.engine == "vllm":
         tok = load_tokenizer(cfg.verifier)
-        prompts = load_prompts(cfg.dataset, cfg.num_prompts, tok, cfg.data)
+        prompts = load_prompts(cfg.dataset, cfg.num_prompts, tok, cfg.data, cfg.val_context)
         out_dir = Path(cfg.output).resolve().parent
         out_dir.mkdir(parents=True, exist_ok=True)
         logs = Path(tempfile.mkdtemp(prefix=".paradraft-vllm-logs-", dir=out_dir))  # ours: removed on success
@@ -199,7 +207,7 @@ def _bench(cfg: BenchConfig) -> dict:
         shutil.rmtree(logs)
         return _finish(cfg, identity, prompts, results, threads=None, extra={"engine": "vllm", **extra})
     model, tok = load_verifier(cfg.verifier, dtype=cfg.dtype, device=cfg.device)
-    prompts = load_prompts(cfg.dataset, cfg.num_prompts, tok, cfg.data)
+    prompts = load_prompts(cfg.dataset, cfg.num_prompts, tok, cfg.data, cfg.val_context)
     eos = stop_token_ids(tok)
     drafters = []
     for path in cfg.drafter:
