@@ -549,7 +549,8 @@ class BenchConfig(Checked):
                        help="sharegpt-val (held-out split of --data) | humaneval | FILE.jsonl (prompts)")
     data: str = opt("runs/quickstart/data", help="prepared data whose validation split is sharegpt-val")
     val_context: str = opt("first", help="with sharegpt-val: prompt with each held-out sample up to its first "
-                           "assistant turn, or up to its last (the whole multi-turn context: long prompts)",
+                           "assistant turn, or up to its last (the whole multi-turn context, its last tokens where it "
+                           "would not fit the verifier's context beside the answer: long prompts)",
                            choices=["first", "last"])
     num_prompts: int = opt(8, help="prompts", ge=1)
     max_new_tokens: int = opt(128, help="tokens per answer", ge=1)

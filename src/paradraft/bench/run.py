@@ -43,10 +43,11 @@ from .vllm import bench_vllm
 
 
 def load_prompts(dataset: str, num_prompts: int, tok, data: str | None = None,
-                 val_context: str = "first") -> list[list[int]]:
+                 val_context: str = "first", max_tokens: int | None = None) -> list[list[int]]:
     """Token ids of the benchmark prompts (chat template applied, generation prompt appended): `dataset` is
     humaneval, sharegpt-val (the held-out split of the prepared `data`: each sample up to its first assistant turn,
-    or with `val_context` "last" up to its last one) or a prompts JSONL file."""
+    or with `val_context` "last" up to its last one, then its last `max_tokens` tokens: what the verifier's context
+    holds beside the answer) or a prompts JSONL file."""
     if dataset == "humaneval":
         recs = [{"prompt": r["messages"][0]["content"]} for r in read_humaneval()]
         return [encode_prompt(tok, r) for r in recs[:num_prompts]]
@@ -60,8 +61,8 @@ def load_prompts(dataset: str, num_prompts: int, tok, data: str | None = None,
                 first = int(starts[-1]) if len(starts) else 0
             else:
                 first = int(np.argmax(mask)) if mask.any() else 0
-            if first > 0:
-                out.append(ids[:first].tolist())  # system + user turn(s) (and answers) + assistant header
+            if first > 0:  # system + user turn(s) (and answers) + assistant header
+                out.append(ids[:first][-max_tokens:].tolist() if max_tokens else ids[:first].tolist())
             if len(out) >= num_prompts:
                 break
         if not out:
@@ -207,7 +208,10 @@ def _bench(cfg: BenchConfig) -> dict:
         shutil.rmtree(logs)
         return _finish(cfg, identity, prompts, results, threads=None, extra={"engine": "vllm", **extra})
     model, tok = load_verifier(cfg.verifier, dtype=cfg.dtype, device=cfg.device)
-    prompts = load_prompts(cfg.dataset, cfg.num_prompts, tok, cfg.data, cfg.val_context)
+    ctx = getattr(model.config, "max_position_embeddings", None)
+    room = ctx - cfg.max_new_tokens - max(cfg.num_speculative_tokens) - 1 if ctx and cfg.val_context == "last" else None
+    prompts = load_prompts(cfg.dataset, cfg.num_prompts, tok, cfg.data, cfg.val_context,
+                           max_tokens=room if room and room > 0 else None)
     eos = stop_token_ids(tok)
     drafters = []
     for path in cfg.drafter:
@@ -224,8 +228,10 @@ def _bench(cfg: BenchConfig) -> dict:
             methods.append((d.cfg.algorithm, path, d, k))
     if cfg.prompt_lookup and cfg.temperature <= 0:
         methods += [("prompt_lookup", None, None, k) for k in cfg.num_speculative_tokens]
-    # room for the longest prompt and its answer (long-context prompt files), at least the 8192 it always had
+    # room for the longest prompt and its answer (long-context prompt files), at least the 8192 it always had, at
+    # most the verifier's context: a prompt beyond it is the engine's one-line error
     max_len = max(8192, max(len(p) for p in prompts) + cfg.max_new_tokens + max(cfg.num_speculative_tokens) + 16)
+    max_len = min(max_len, getattr(model.config, "max_position_embeddings", None) or max_len)
     engines = {None: Engine(model, max_len=max_len)}
     for path, d in drafters:
         engines[path] = Engine(model, d, max_len=max_len)
