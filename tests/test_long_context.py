@@ -225,3 +225,16 @@ def test_acceptance_by_context_buckets_prompts_by_their_tokens():
                         "per_position_acceptance": [0.5, 0.3, 0.1], "acceptance_by_context": by}]}
     table = format_table(out)
     assert "acceptance length by prompt tokens" in table and "| peagle | d | 3 | 1.80 (1) | 3.00 (1) |" in table
+
+
+def test_long_held_out_contexts_keep_their_last_tokens_that_fit_the_verifier():
+    from types import SimpleNamespace
+
+    from paradraft.bench.run import _prompt_room
+    from paradraft.config import BenchConfig
+
+    cfg = BenchConfig(val_context="last", max_new_tokens=64, num_speculative_tokens=[3, 5])
+    assert _prompt_room(cfg, SimpleNamespace(max_position_embeddings=8192)) == 8192 - 64 - 5 - 16
+    assert _prompt_room(BenchConfig(max_new_tokens=64, num_speculative_tokens=[3]),
+                        SimpleNamespace(max_position_embeddings=8192)) is None  # first turns: as they are
+    assert _prompt_room(cfg, SimpleNamespace()) is None

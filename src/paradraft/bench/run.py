@@ -36,7 +36,7 @@ from ..errors import DataError
 from ..models.checkpoint import load_drafter, recorded_k
 from ..outputs import PNG_MARK, claim_file, output_lock
 from ..utils import atomic_path, engine_dtype, fingerprint, read_json, resolve_device, sha256_file, write_json
-from ..verifier import load_tokenizer, load_verifier
+from ..verifier import load_tokenizer, load_verifier, load_verifier_config
 from ..vllm_driver import find_vllm_python
 from .metrics import median_speedup, speedup_per_repeat, tokens_per_s
 from .vllm import bench_vllm
@@ -70,6 +70,16 @@ def load_prompts(dataset: str, num_prompts: int, tok, data: str | None = None,
                             f"--val-fraction > 0)")
         return out
     return [encode_prompt(tok, r) for r in read_prompts(dataset)[:num_prompts]]
+
+
+def _prompt_room(cfg: BenchConfig, verifier_config) -> int | None:
+    """With --val-context last: the most prompt tokens the verifier's context holds beside the answer, its drafts
+    and vLLM's margin of 16 (both engines are given the same prompts); else None (prompts as they are)."""
+    ctx = getattr(verifier_config, "max_position_embeddings", None)
+    if cfg.val_context != "last" or not ctx:
+        return None
+    room = ctx - cfg.max_new_tokens - max(cfg.num_speculative_tokens) - 16
+    return room if room > 0 else None
 
 
 def bench_identity(cfg: BenchConfig) -> str:
@@ -200,7 +210,8 @@ def _bench(cfg: BenchConfig) -> dict:
             return old
     if cfg.engine == "vllm":
         tok = load_tokenizer(cfg.verifier)
-        prompts = load_prompts(cfg.dataset, cfg.num_prompts, tok, cfg.data, cfg.val_context)
+        prompts = load_prompts(cfg.dataset, cfg.num_prompts, tok, cfg.data, cfg.val_context,
+                               _prompt_room(cfg, load_verifier_config(cfg.verifier)))
         out_dir = Path(cfg.output).resolve().parent
         out_dir.mkdir(parents=True, exist_ok=True)
         logs = Path(tempfile.mkdtemp(prefix=".paradraft-vllm-logs-", dir=out_dir))  # ours: removed on success
@@ -208,10 +219,8 @@ def _bench(cfg: BenchConfig) -> dict:
         shutil.rmtree(logs)
         return _finish(cfg, identity, prompts, results, threads=None, extra={"engine": "vllm", **extra})
     model, tok = load_verifier(cfg.verifier, dtype=cfg.dtype, device=cfg.device)
-    ctx = getattr(model.config, "max_position_embeddings", None)
-    room = ctx - cfg.max_new_tokens - max(cfg.num_speculative_tokens) - 1 if ctx and cfg.val_context == "last" else None
     prompts = load_prompts(cfg.dataset, cfg.num_prompts, tok, cfg.data, cfg.val_context,
-                           max_tokens=room if room and room > 0 else None)
+                           _prompt_room(cfg, model.config))
     eos = stop_token_ids(tok)
     drafters = []
     for path in cfg.drafter:
