@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -101,6 +102,8 @@ def workflow(family: str, args, work: Path, device: str) -> dict:
     """prepare -> vocab -> extract -> train -> generate (speculative == plain) -> bench -> export on `device`."""
     res = {"family": family, "steps": {}}
     w = work / family
+    if (w / "chat.jsonl").is_file():  # this check's own work from an earlier run: every step runs afresh (the
+        shutil.rmtree(w)             # rewritten chat.jsonl is another dataset, which prepare would refuse to replace)
     w.mkdir(parents=True, exist_ok=True)
     vdir = build_verifier(family, args.tokenizer, w / "verifier", hidden=args.hidden, layers=8)
     data = w / "chat.jsonl"
