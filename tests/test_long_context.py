@@ -195,7 +195,7 @@ def test_regenerate_multi_turn_keeps_or_drops_the_thinking_through_the_cli(tmp_p
 
 
 def test_local_generator_prompts_follow_the_thinking_switch():
-    from paradraft.regenerate import decode_answer, prompt_ids
+    from paradraft.regenerate import answer_decoder, prompt_ids
 
     tok = make_tokenizer("qwen3")
     tok.chat_template = QWEN3_THINKING
@@ -204,7 +204,7 @@ def test_local_generator_prompts_follow_the_thinking_switch():
     assert keep == default and tok.decode(drop[len(keep):]) == "<think>\n\n</think>\n\n"
     # the thinking block's tags survive decoding; other special tokens do not
     ids = tok("<think>\nhm\n</think>\n\nyes<|im_end|>", add_special_tokens=False)["input_ids"]
-    assert decode_answer(tok, ids) == "<think>\nhm\n</think>\n\nyes"
+    assert answer_decoder(tok)(ids) == "<think>\nhm\n</think>\n\nyes"
 
 
 # ------------------------------------------------------------------------------------------------ bench

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from .config import RegenerateConfig
 from .data.sources import Skip, content_text, read_source
-from .data.template import encode_prompt, split_thinking, stop_token_ids, thinking_kwargs
+from .data.template import encode_prompt, final_answer, stop_token_ids, thinking_kwargs
 from .decode.engine import Engine, GenerationConfig
 from .errors import UserError
 from .outputs import OutputError, check_writable, output_lock
@@ -139,17 +139,18 @@ def chat_endpoint(url: str, model: str, messages: list[dict], max_tokens: int, t
 
 def _reasoning_rule(text: str, reasoning: str | None) -> str:
     """An answer as written: with --reasoning drop, any thinking block the verifier still wrote is left out."""
-    return split_thinking(text)[1].strip() if reasoning == "drop" else text
+    return final_answer(text) if reasoning == "drop" else text
 
 
-def decode_answer(tok, ids: list[int]) -> str:
-    """Generated ids -> the answer's text: special tokens left out, except a thinking block's <think> / </think>
-    (the chat template renders them inside the assistant turn, so training sees them)."""
-    keep = {tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>") if t in tok.get_vocab()}
+def answer_decoder(tok):
+    """ids -> the answer's text: special tokens left out, except a thinking block's <think> / </think> (the chat
+    template renders them inside the assistant turn, so training sees them). Built once per tokenizer."""
+    vocab = tok.get_vocab()
+    keep = {vocab[t] for t in ("<think>", "</think>") if t in vocab}
     if not keep:
-        return tok.decode(ids, skip_special_tokens=True).strip()
+        return lambda ids: tok.decode(ids, skip_special_tokens=True).strip()
     drop = set(tok.all_special_ids) - keep
-    return tok.decode([t for t in ids if t not in drop], skip_special_tokens=False).strip()
+    return lambda ids: tok.decode([t for t in ids if t not in drop], skip_special_tokens=False).strip()
 
 
 def _shown(raw: bytes | str, n: int = 120) -> str:
@@ -173,6 +174,7 @@ class LocalGenerator:
         if model is None:
             model, tokenizer = load_verifier(cfg.verifier, dtype=cfg.dtype, device=resolve_device(cfg.device))
         self.tok, self.cfg = tokenizer, cfg
+        self.decode = answer_decoder(tokenizer)
         self.engine = Engine(model, max_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 16)
         self.gcfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                      seed=cfg.seed, eos_token_ids=stop_token_ids(tokenizer))
@@ -185,7 +187,7 @@ class LocalGenerator:
         self.gcfg.seed = self.cfg.seed + self.calls
         self.calls += 1
         outs = self.engine.generate(ids, self.gcfg)
-        return [(_reasoning_rule(decode_answer(self.tok, o.token_ids), self.cfg.reasoning),
+        return [(_reasoning_rule(self.decode(o.token_ids), self.cfg.reasoning),
                  o.finish_reason == "length") for o in outs]
 
 
@@ -195,6 +197,7 @@ class VllmGenerator:
 
     def __init__(self, cfg: RegenerateConfig, work_dir: Path):
         self.tok, self.cfg = load_tokenizer(cfg.verifier), cfg
+        self.decode = answer_decoder(self.tok)
         self.eos = stop_token_ids(self.tok)
         self.work = Path(tempfile.mkdtemp(prefix=".paradraft-vllm-regenerate-", dir=work_dir))  # ours: removed at exit
         args = engine_args(resolve_verifier(cfg.verifier), cfg.dtype, seed=cfg.seed,
@@ -214,7 +217,7 @@ class VllmGenerator:
         except VllmError:
             self.failed = True  # the error names the log: keep it
             raise
-        return [(_reasoning_rule(decode_answer(self.tok, t), self.cfg.reasoning), f == "length")
+        return [(_reasoning_rule(self.decode(t), self.cfg.reasoning), f == "length")
                 for t, f in zip(r["tokens"], r["finish"])]
 
     def close(self) -> None:
@@ -316,12 +319,13 @@ def _regenerate(cfg: RegenerateConfig, out: Path, generator, share: tuple | None
         except Exception as e:  # e.g. --endpoint serving a model whose tokenizer is not on this machine
             print(f"[regenerate] no tokenizer for {cfg.verifier!r} ({e}); prompts are not length-filtered")
     kept = []
+    template_kw = thinking_kwargs(tok, cfg.reasoning) if tok is not None else {}
     for c in convs:
         if cfg.max_samples is not None and len(kept) >= cfg.max_samples:
             break
         head = [m for m in c["messages"] if m["role"] == "system"][:1] + \
             [m for m in c["messages"] if m["role"] == "user"][:1]
-        n = len(encode_prompt(tok, {"messages": head}, **thinking_kwargs(tok, cfg.reasoning))) if tok is not None else 0
+        n = len(encode_prompt(tok, {"messages": head}, **template_kw)) if tok is not None else 0
         if n > cfg.max_prompt_tokens:
             skipped["prompt_too_long"] = skipped.get("prompt_too_long", 0) + 1
             continue

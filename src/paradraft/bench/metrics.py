@@ -20,3 +20,11 @@ def median_speedup(per_repeat: list[float]) -> float:
     runs made side by side, so a slow phase of the machine hits both. (The ratio of the two median speeds pairs runs
     of different repeats: on a noisy host it can lie above every repeat but one.)"""
     return statistics.median(per_repeat)
+
+
+ENGINE_MARGIN = 16  # tokens of KV cache beyond prompt + answer + drafts (vLLM's max_model_len and paradraft's engine)
+
+
+def engine_len(prompt_tokens: int, max_new_tokens: int, k: int) -> int:
+    """The KV-cache length a prompt of `prompt_tokens` needs with its answer and K drafts, in either engine."""
+    return prompt_tokens + max_new_tokens + k + ENGINE_MARGIN

@@ -38,7 +38,7 @@ from ..outputs import PNG_MARK, claim_file, output_lock
 from ..utils import atomic_path, engine_dtype, fingerprint, read_json, resolve_device, sha256_file, write_json
 from ..verifier import load_tokenizer, load_verifier, load_verifier_config
 from ..vllm_driver import find_vllm_python
-from .metrics import median_speedup, speedup_per_repeat, tokens_per_s
+from .metrics import engine_len, median_speedup, speedup_per_repeat, tokens_per_s
 from .vllm import bench_vllm
 
 
@@ -73,12 +73,12 @@ def load_prompts(dataset: str, num_prompts: int, tok, data: str | None = None,
 
 
 def _prompt_room(cfg: BenchConfig, verifier_config) -> int | None:
-    """With --val-context last: the most prompt tokens the verifier's context holds beside the answer, its drafts
-    and vLLM's margin of 16 (both engines are given the same prompts); else None (prompts as they are)."""
+    """With --val-context last: the most prompt tokens the verifier's context holds beside the answer and its drafts
+    (`engine_len`: both engines are given the same prompts); else None (prompts as they are)."""
     ctx = getattr(verifier_config, "max_position_embeddings", None)
     if cfg.val_context != "last" or not ctx:
         return None
-    room = ctx - cfg.max_new_tokens - max(cfg.num_speculative_tokens) - 16
+    room = ctx - engine_len(0, cfg.max_new_tokens, max(cfg.num_speculative_tokens))
     return room if room > 0 else None
 
 
@@ -239,7 +239,7 @@ def _bench(cfg: BenchConfig) -> dict:
         methods += [("prompt_lookup", None, None, k) for k in cfg.num_speculative_tokens]
     # room for the longest prompt and its answer (long-context prompt files), at least the 8192 it always had, at
     # most the verifier's context: a prompt beyond it is the engine's one-line error
-    max_len = max(8192, max(len(p) for p in prompts) + cfg.max_new_tokens + max(cfg.num_speculative_tokens) + 16)
+    max_len = max(8192, engine_len(max(len(p) for p in prompts), cfg.max_new_tokens, max(cfg.num_speculative_tokens)))
     max_len = min(max_len, getattr(model.config, "max_position_embeddings", None) or max_len)
     engines = {None: Engine(model, max_len=max_len)}
     for path, d in drafters:

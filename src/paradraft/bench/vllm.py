@@ -20,7 +20,7 @@ from ..models.checkpoint import load_drafter
 from ..utils import fingerprint
 from ..verifier import resolve_verifier
 from ..vllm_driver import VllmEngine, engine_args
-from .metrics import median_speedup, speedup_per_repeat, tokens_per_s
+from .metrics import engine_len, median_speedup, speedup_per_repeat, tokens_per_s
 
 PROMPT_LOOKUP_NGRAM = 2  # longest n-gram matched, as Hugging Face's prompt lookup (max_matching_ngram_size)
 
@@ -37,7 +37,7 @@ def _summary(reply: dict) -> dict:
 def bench_vllm(cfg: BenchConfig, prompts: list[list[int]], eos: list[int], log_dir: Path) -> tuple[list, dict]:
     """Measure plain decoding and every drafter at every K in vLLM -> (results rows, extra fields of the output)."""
     verifier_dir = resolve_verifier(cfg.verifier)
-    max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + max(cfg.num_speculative_tokens) + 16
+    max_len = engine_len(max(len(p) for p in prompts), cfg.max_new_tokens, max(cfg.num_speculative_tokens))
     base = engine_args(verifier_dir, cfg.dtype, max_model_len=max_len, seed=cfg.seed)
     seeds = [cfg.seed * 1000 + i for i in range(len(prompts))]
 

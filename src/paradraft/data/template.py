@@ -98,7 +98,7 @@ def template_info(tokenizer) -> TemplateInfo:
     raise TemplateError(f"cannot find the end-of-turn token after an assistant turn (template renders {rest[:40]!r})")
 
 
-def _final_answer(content: str) -> str:
+def final_answer(content: str) -> str:
     """The part of an assistant message that every template renders verbatim (after any thinking block)."""
     return content.split("</think>")[-1].strip()
 
@@ -120,7 +120,7 @@ def segment_conversation(tokenizer, info: TemplateInfo, messages: list[dict]) ->
             raise TemplateError("end-of-turn not found")
         end = e + len(info.end_of_turn)
         body = text[start:end]
-        if _final_answer(msg["content"]) not in body:
+        if final_answer(msg["content"]) not in body:
             raise TemplateError("assistant content not where the template should put it")
         segments.append((text[cursor:start], False))
         if msg.get("truncated"):
@@ -164,14 +164,6 @@ def thinking_kwargs(tokenizer, reasoning: str | None, flag: str = "--reasoning")
         raise TemplateError(f"{flag} {reasoning}: this verifier's chat template has no thinking switch "
                             f"(enable_thinking), so there is no thinking to {reasoning}")
     return {"enable_thinking": reasoning == "keep"}
-
-
-def split_thinking(text: str) -> tuple[str, str]:
-    """An answer -> (its thinking block's text, what follows it); ("", text) when it has none."""
-    if "</think>" not in text:
-        return "", text
-    head, answer = text.split("</think>", 1)
-    return head.split("<think>")[-1].strip("\n"), answer.lstrip("\n")
 
 
 def encode_prompt(tokenizer, rec: dict, **template_kwargs) -> list[int]:

@@ -96,6 +96,14 @@ def draft_loss(logits: torch.Tensor, b: SlotBatch, rows: torch.Tensor, valid: to
     return kl, trained, correct
 
 
+def element_targets(b: SlotBatch, anchor: torch.Tensor, depth: torch.Tensor):
+    """anchor/depth [N] -> (rows [N]: the slot each element is scored against, anchor + depth (clamped into the
+    sequence); valid [N] bool: that slot exists and trains)."""
+    T = len(b)
+    rows = torch.clamp(anchor + depth, max=T - 1)
+    return rows, b.valid[rows] & (anchor + depth < T)
+
+
 def trained_elements(b: SlotBatch, rows: torch.Tensor, valid: torch.Tensor, t2d: torch.Tensor,
                      out_of_vocab: bool = False) -> torch.Tensor:
     """[N] bool: the elements scored against slots `rows` [N] that train (valid [N], and unless `out_of_vocab` the

@@ -14,7 +14,7 @@ from ..config import ConfigError
 from ..data.vocab import template_special_ids
 from .attention import Elements
 from .common import DraftCache, DraftConfig, DraftModel
-from .loss import SlotBatch, depth_reduce, draft_loss
+from .loss import SlotBatch, depth_reduce, draft_loss, element_targets
 from .registry import register
 
 
@@ -201,8 +201,7 @@ class PEagleDrafter(DraftModel):
         elems = Elements(anchor, depth, b.doc[anchor])
         h, kv = self.run_layers(emb, hid, b.positions[anchor] + depth, elems, prefix)
         logits = self.logits(h)  # [N, Vd]
-        tgt = torch.clamp(anchor + depth, max=len(b) - 1)
-        valid = b.valid[tgt] & (anchor + depth < len(b))
+        tgt, valid = element_targets(b, anchor, depth)
         kl, trained, correct = draft_loss(logits, b, tgt, valid, self.d2t, self.t2d, out_of_vocab)
         loss, stats = depth_reduce(kl, trained, correct, valid, depth, num_depths, decay, counts)
         stats["num_elements"] = int(anchor.numel())

@@ -26,7 +26,7 @@ import torch
 
 from ..models.attention import Elements
 from ..models.common import DraftCache
-from ..models.loss import SlotBatch, trained_counts, trained_elements
+from ..models.loss import SlotBatch, element_targets, trained_counts, trained_elements
 from ..utils import release_free_memory
 
 
@@ -87,8 +87,7 @@ def partitioned(call, model, b: SlotBatch, size: int, span: int, num_depths: int
     train = scale is not None
     anchor, depth = model.train_elements(b, generator, **args)
     anchor, depth = anchor.to(b.tokens.device), depth.to(b.tokens.device)
-    tgt = torch.clamp(anchor + depth, max=T - 1)
-    valid = b.valid[tgt] & (anchor + depth < T)
+    tgt, valid = element_targets(b, anchor, depth)
     counts = trained_counts(trained_elements(b, tgt, valid, model.t2d, args.get("out_of_vocab", False)), depth,
                             num_depths)
     bounds = partition_bounds(T, size)
