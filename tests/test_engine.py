@@ -278,3 +278,32 @@ def test_bench_table_and_plot_keep_same_named_drafters_apart(tmp_path):
     table = format_table(out)
     assert "| a/peagle |" in table and "| b/peagle |" in table
     assert plot_results(out, tmp_path / "p.png").stat().st_size > 0
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("flavour", ["llama", "qwen3"])
+def test_compiled_engine_writes_the_eager_engines_tokens(flavour):
+    """The compiled decoding and verification steps (Engine(compile=True), `--compile on`) change no float32 token:
+    plain decoding equals the eager engine and HF generate; P-EAGLE at K=3 (4 rows verified) equals plain decoding;
+    one row and several, rows finishing apart (the compiled step then serves a subset of the cache's rows);
+    Qwen3's q/k norms. Compilation is recorded in compile_s."""
+    v = make_tiny_llama(vocab_size=120, qwen3=(flavour == "qwen3"), seed=1)
+    d, _ = tiny_drafter("peagle", flavour, verifier=v)
+    prompts = prompts_for(120, n=6)
+    eager = gen(Engine(v), prompts, 3, GenerationConfig(max_new_tokens=24))
+    counts = torch.bincount(torch.tensor([t for r in eager for t in r.token_ids[4:]]), minlength=120)
+    g = GenerationConfig(max_new_tokens=24, num_speculative_tokens=3, eos_token_ids=[int(counts.argmax())])
+    ref = gen(Engine(v), prompts, 3, g)
+    lengths = {len(r.token_ids) for r in ref}
+    assert len(lengths) > 1  # rows end apart: the stop token cuts some early
+    plain, spec = Engine(v, compile=True), Engine(v, d, compile=True)
+    assert plain.compiled and spec.compiled
+    for bs in (1, 3):
+        assert [r.token_ids for r in gen(plain, prompts, bs, g)] == [r.token_ids for r in ref]
+        assert [r.token_ids for r in gen(spec, prompts, bs, g)] == [r.token_ids for r in ref]
+    assert plain.compile_s > 0 and spec.compile_s > 0
+    for p, r in zip(prompts[:3], gen(plain, prompts[:3], 1, GenerationConfig(max_new_tokens=24))):
+        ids = torch.tensor([p])
+        hf = v.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
+                        do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert r.token_ids == hf

@@ -12,7 +12,7 @@ SRC = Path(paradraft.__file__).parent
 
 # units (a subpackage or a top-level module) and their rank: a unit may import only units of a LOWER rank, or itself
 RANKS = {
-    "errors": 0, "vllm_worker": 0, "utils": 1, "vllm_driver": 2, "outputs": 2, "config": 3, "verifier": 4,
+    "errors": 0, "vllm_worker": 0, "utils": 1, "vllm_driver": 2, "outputs": 2, "kernels": 2, "config": 3, "verifier": 4,
     "data": 5, "models": 6,
     "decode": 7, "train": 7, "export": 7,
     "bench": 8, "regenerate": 8,

@@ -193,18 +193,21 @@ def test_small_m_projections_equal_the_modules_and_respect_what_they_cannot_see(
 
 
 def test_small_m_path_is_measured_once_per_shape_and_can_be_forced(monkeypatch):
-    """Which path a few rows take is measured on this CPU, once per (rows, weight shape, threads), and
-    $PARADRAFT_SMALL_M=on / off forces it: on gives exactly (W @ x^T)^T + b, off exactly the module. With autograd
-    recording (training) the module always runs."""
+    """Without paradraft's kernel (a CPU without AVX-512), which path a few float32 rows take is measured on this CPU,
+    once per (rows, weight shape, threads), and $PARADRAFT_SMALL_M=on / off forces it: on gives exactly
+    (W @ x^T)^T + b, off exactly the module. With autograd recording (training) the module always runs."""
     from torch import nn
 
     import paradraft.verifier.linear as L
+    from paradraft import kernels
+
+    monkeypatch.setattr(kernels, "available", lambda: False)
 
     torch.manual_seed(0)
     lin, x = nn.Linear(64, 96), torch.randn(4, 64)
     monkeypatch.setenv(L.SMALL_M_ENV, "on")
     assert torch.is_grad_enabled() and torch.equal(L.linear(lin, x), lin(x))  # training: the module
-    with torch.no_grad():
+    with torch.inference_mode():
         transposed = (lin.weight @ x.T).T + lin.bias  # [4, 96]
         assert torch.equal(L.linear(lin, x), transposed)
         monkeypatch.setenv(L.SMALL_M_ENV, "off")
@@ -229,7 +232,10 @@ def test_training_targets_never_take_the_timed_small_m_path(monkeypatch):
     target head does not. (A timing that picked differently under load made a resumed run differ from an
     uninterrupted one in the last bits: the recipe pause-and-continue test, 2026-12-05.)"""
     import paradraft.verifier.linear as L
+    from paradraft import kernels
 
+    real_kernel = kernels.available()
+    monkeypatch.setattr(kernels, "available", lambda: False)
     model = make_tiny_verifier("llama").float()
     head, adapter = VerifierHead(model), adapter_for(model)
     torch.manual_seed(0)
@@ -244,5 +250,11 @@ def test_training_targets_never_take_the_timed_small_m_path(monkeypatch):
         p, ids = head.targets(last, torch.arange(64))
         assert torch.equal(p, torch.softmax(expected[:, :64], -1)) and torch.equal(ids, expected.argmax(-1))
     monkeypatch.setenv(L.SMALL_M_ENV, "on")
-    with torch.no_grad():  # decoding keeps the rule (forced on: the transposed product)
+    with torch.inference_mode():  # decoding keeps the rule (forced on: the transposed product)
         assert torch.equal(adapter.logits(model, model.model.norm(last)), transposed)
+    if real_kernel:  # paradraft's kernel: decoding takes it, the targets stay the module's bits
+        monkeypatch.setattr(kernels, "available", lambda: True)
+        with torch.inference_mode():
+            decoded = adapter.logits(model, model.model.norm(last))
+            assert torch.equal(decoded, kernels.small_linear(model.model.norm(last), [model.lm_head.weight]))
+        assert torch.equal(head.logits(last), expected)

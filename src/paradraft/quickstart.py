@@ -23,7 +23,7 @@ def quickstart_steps(cfg: QuickstartConfig) -> list[tuple[str, object]]:
         ("regenerate", RegenerateConfig(data=list(cfg.data), output=str(regen), verifier=cfg.verifier,
                                         max_samples=cfg.num_samples, max_new_tokens=cfg.max_new_tokens,
                                         max_prompt_tokens=cfg.max_prompt_tokens, batch_size=cfg.regen_batch_size,
-                                        seed=cfg.seed, device=cfg.device)),
+                                        seed=cfg.seed, device=cfg.device, compile=cfg.compile)),
         ("prepare", PrepareConfig(data=[str(regen)], output=str(data_dir), verifier=cfg.verifier,
                                   seq_length=cfg.seq_length, seed=cfg.seed, val_fraction=0.05, preview=1)),
         ("extract", ExtractConfig(data=str(data_dir), output=str(hs_dir), batch_tokens=4096, samples_per_shard=128,
@@ -44,7 +44,7 @@ def quickstart_steps(cfg: QuickstartConfig) -> list[tuple[str, object]]:
                               data=str(data_dir), num_prompts=cfg.bench_prompts, max_new_tokens=cfg.bench_tokens,
                               num_speculative_tokens=list(cfg.num_speculative_tokens), repeats=cfg.bench_repeats,
                               prompt_lookup=False, output=str(run / "results.json"), plot=str(run / "results.png"),
-                              device=cfg.device,
+                              device=cfg.device, compile=cfg.compile,
                               seed=cfg.seed)),
     ]
 

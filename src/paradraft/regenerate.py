@@ -26,7 +26,7 @@ from tqdm import tqdm
 from .config import RegenerateConfig
 from .data.sources import Skip, content_text, read_source
 from .data.template import encode_prompt, final_answer, stop_token_ids, thinking_kwargs
-from .decode.engine import Engine, GenerationConfig
+from .decode.engine import Engine, GenerationConfig, compile_wanted
 from .errors import UserError
 from .outputs import OutputError, check_writable, output_lock
 from .utils import engine_dtype, resolve_device
@@ -171,11 +171,13 @@ class LocalGenerator:
     """Batched generation with the verifier itself, through paradraft's engine (greedy or sampled)."""
 
     def __init__(self, cfg: RegenerateConfig, model=None, tokenizer=None):
+        device = resolve_device(cfg.device)
         if model is None:
-            model, tokenizer = load_verifier(cfg.verifier, dtype=cfg.dtype, device=resolve_device(cfg.device))
+            model, tokenizer = load_verifier(cfg.verifier, dtype=cfg.dtype, device=device)
         self.tok, self.cfg = tokenizer, cfg
         self.decode = answer_decoder(tokenizer)
-        self.engine = Engine(model, max_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 16)
+        self.engine = Engine(model, max_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 16,
+                             compile=compile_wanted(cfg.compile, str(next(model.parameters()).device)))
         self.gcfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                      seed=cfg.seed, eos_token_ids=stop_token_ids(tokenizer))
         self.calls = 0
@@ -410,6 +412,11 @@ def _write_answers(cfg: RegenerateConfig, out: Path, generator, todo: list, conv
               "seconds": round(secs, 2),
               "new_tokens_per_s": round(new_tokens / secs, 1) if secs > 0 else None,
               "engine": "endpoint" if cfg.endpoint else cfg.engine}
+    engine = getattr(generator, "engine", None)
+    if getattr(engine, "compiled", False):
+        result["compile_s"] = round(engine.compile_s, 2)
+        print(f"[regenerate] compiling the engine's steps took {engine.compile_s:.1f} s of {secs:.0f} s "
+              "(torch.compile; --compile off skips it)")
     print(f"[regenerate] {written} new ({n_truncated} answers cut at --max-new-tokens, marked \"truncated\": their "
           f"end-of-turn is not trained), {result['already_done']} already done -> {out}")
     if n_empty:

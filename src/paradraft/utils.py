@@ -89,6 +89,11 @@ def release_free_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
+def cache_root() -> Path:
+    """Cache root: $PARADRAFT_CACHE or ~/.cache/paradraft."""
+    return Path(os.environ.get("PARADRAFT_CACHE") or Path.home() / ".cache" / "paradraft")
+
+
 def umask() -> int:
     """The process umask (read without changing it for longer than the call)."""
     mask = os.umask(0o022)

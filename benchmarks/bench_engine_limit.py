@@ -1,0 +1,189 @@
+"""The engine against the machine's memory bandwidth: plain decoding and a K=3 speculative step, before and after.
+
+Batch-1 decoding reads every weight once per token, so its limit is (verifier bytes) / (memory bandwidth). This
+measures, side by side in one run, each configuration in its own process, run one after another (never two torch
+processes at once):
+  before      the engine without paradraft's CPU kernel and without compilation ($PARADRAFT_KERNELS=off, eager):
+              the engine as it was before issue #44, its projections through torch
+  kernel      paradraft's CPU kernel, eager
+  compiled    the kernel and torch.compile (the default of bench, regenerate and quickstart on a CPU)
+for bf16 and float32: plain decoding tokens/s (batch 1, through Engine.generate, prefill included), the time of
+one plain step and of one K=3 speculative pass (draft + verify K+1, per pass, from the engine's own timers), their
+ratio, and a profile of the top operations of a plain step. The bandwidth is a 1 GiB float32 read (median of 7).
+Float32 outputs of every configuration are compared token for token.
+
+  python benchmarks/bench_engine_limit.py [--drafter DIR] [--prompts 8] [--max-new-tokens 128] [--repeats 3]
+        [--output benchmarks/results/engine-limit.json]
+Without --drafter an untrained P-EAGLE drafter of the default shape stands in: a pass costs what it costs whatever
+the drafter learnt (acceptance changes the tokens per pass, not the time of a pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIGS = {"before": {"PARADRAFT_KERNELS": "off"}, "kernel": {}, "compiled": {}}
+
+
+def host() -> dict:
+    flags = ""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        model = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor()
+    return {"cpu": model.split(":", 1)[-1].strip(), "cores": os.cpu_count(), "amx": "amx_bf16" in flags,
+            "avx512_bf16": "avx512_bf16" in flags, "node": platform.node()}
+
+
+def bandwidth_gbs() -> float:
+    import torch
+
+    x = torch.ones(1 << 28)  # 1 GiB of float32
+    ts = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        x.sum()
+        ts.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(ts) / 1e9
+
+
+def one(args) -> dict:
+    """One configuration in this process -> its measurements."""
+    import torch
+
+    from paradraft import kernels
+    from paradraft.data.sources import read_humaneval
+    from paradraft.data.template import encode_prompt
+    from paradraft.decode.engine import Engine, GenerationConfig
+    from paradraft.models.checkpoint import build_drafter, load_drafter
+    from paradraft.models.common import DraftConfig
+    from paradraft.verifier import load_verifier
+
+    torch.set_grad_enabled(False)
+    dtype = getattr(torch, args.dtype)
+    model, tok = load_verifier("smollm2-135m", dtype=dtype)
+    texts = [r["messages"][0]["content"] for r in list(read_humaneval())[: args.prompts]]
+    prompts = [encode_prompt(tok, {"prompt": p}) for p in texts]
+    if args.drafter:
+        drafter = load_drafter(args.drafter, verifier=model, force=True).to(dtype)
+    else:
+        torch.manual_seed(0)
+        cfg = DraftConfig.from_verifier(model.config, algorithm="peagle", draft_vocab_size=8192, mask_token_id=16)
+        drafter = build_drafter(cfg)
+        d2t, t2d = torch.zeros(8192, dtype=torch.long), torch.zeros(model.config.vocab_size, dtype=torch.bool)
+        t2d[:8192] = True
+        drafter.init_from_verifier(model, d2t, t2d)
+        drafter = drafter.to(dtype)
+    compiled = args.config == "compiled"
+    plain, spec = Engine(model, compile=compiled), Engine(model, drafter, compile=compiled)
+    g = GenerationConfig(max_new_tokens=args.max_new_tokens, num_speculative_tokens=3,
+                         eos_token_ids=[tok.eos_token_id])
+    warm = GenerationConfig(max_new_tokens=8, num_speculative_tokens=3)
+    plain.generate(prompts[:1], warm)
+    spec.generate(prompts[:1], warm)
+
+    def run(engine):
+        t0 = time.perf_counter()
+        rs = [engine.generate([p], g)[0] for p in prompts]
+        wall = time.perf_counter() - t0
+        passes = sum(r.num_verifier_passes - 1 for r in rs)  # the prefill's pass is not a step
+        step = sum(r.draft_s + r.verify_s for r in rs)
+        return {"tokens": sum(len(r.token_ids) for r in rs), "wall_s": wall, "step_ms": 1000 * step / passes,
+                "tokens_per_pass": sum(len(r.token_ids) - 1 for r in rs) / passes,
+                "outputs": [r.token_ids for r in rs]}
+
+    reps = {"plain": [], "spec": []}
+    for _ in range(args.repeats):  # interleaved
+        reps["plain"].append(run(plain))
+        reps["spec"].append(run(spec))
+    med = {k: {"tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in v),
+               "step_ms": statistics.median(r["step_ms"] for r in v),
+               "tokens_per_pass": statistics.median(r["tokens_per_pass"] for r in v)} for k, v in reps.items()}
+    # profile of plain steps (the top operations by self time)
+    from torch.profiler import profile
+
+    with profile() as prof:
+        plain.generate(prompts[:1], GenerationConfig(max_new_tokens=32))
+    top = [{"op": e.key, "self_ms": round(e.self_cpu_time_total / 1000, 2), "calls": e.count}
+           for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]]
+    return {"config": args.config, "dtype": args.dtype, "threads": torch.get_num_threads(),
+            "kernel": kernels.status(), "compile_s": round(plain.compile_s + spec.compile_s, 2),
+            "plain": med["plain"], "spec_k3": med["spec"],
+            "spec_step_over_plain_step": med["spec"]["step_ms"] / med["plain"]["step_ms"],
+            "profile_plain_top_ops": top,
+            "outputs": reps["plain"][0]["outputs"], "spec_outputs": reps["spec"][0]["outputs"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--drafter", default=None)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--output", default="benchmarks/results/engine-limit.json")
+    ap.add_argument("--one", dest="config", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.config:  # a child: one configuration, JSON on stdout's last line
+        print(json.dumps(one(args)))
+        return
+    import torch
+
+    from paradraft.verifier import load_verifier
+
+    bw = bandwidth_gbs()
+    rows = []
+    for dtype in args.dtypes:
+        m, _ = load_verifier("smollm2-135m", dtype=getattr(torch, dtype))
+        nbytes = sum(p.numel() * p.element_size() for p in m.parameters())  # tied lm_head counted once
+        del m
+        for config, env in CONFIGS.items():
+            cmd = [sys.executable, __file__, "--one", config, "--dtype", dtype, "--prompts", str(args.prompts),
+                   "--max-new-tokens", str(args.max_new_tokens), "--repeats", str(args.repeats)]
+            if args.drafter:
+                cmd += ["--drafter", args.drafter]
+            print(f"[bench_engine_limit] {dtype} {config} ...", file=sys.stderr, flush=True)
+            out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, check=True)
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            limit = bw * 1e9 / nbytes  # tokens/s if a step were the weights' read alone
+            r.update(weight_bytes=nbytes, limit_tokens_per_s=limit,
+                     plain_fraction_of_limit=r["plain"]["tokens_per_s"] / limit)
+            rows.append(r)
+    for dtype in args.dtypes:  # float32 outputs of every configuration, token for token
+        by = [r for r in rows if r["dtype"] == dtype]
+        same = all(r["outputs"] == by[0]["outputs"] and r["spec_outputs"] == by[0]["outputs"] for r in by)
+        for r in by:
+            r["outputs_equal_before"] = same
+    for r in rows:
+        r.pop("outputs")
+        r.pop("spec_outputs")
+    lines = [f"bandwidth {bw:.1f} GB/s (1 GiB float32 read); {host()['cpu']}, {os.cpu_count()} cores",
+             "| dtype | engine | plain tokens/s | % of limit | plain step | K=3 pass | pass / step | compile s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['config']} | {r['plain']['tokens_per_s']:.1f} | "
+                     f"{100 * r['plain_fraction_of_limit']:.0f}% of {r['limit_tokens_per_s']:.0f} | "
+                     f"{r['plain']['step_ms']:.1f} ms | {r['spec_k3']['step_ms']:.1f} ms | "
+                     f"{r['spec_step_over_plain_step']:.2f} | {r['compile_s']:.1f} |")
+    md = "\n".join(lines)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps({"benchmark": "engine_limit", "date": time.strftime("%Y-%m-%d %H:%M"),
+                                             "commit": commit, "host": host(), "bandwidth_gbs": bw,
+                                             "args": {k: v for k, v in vars(args).items() if k not in ("config",)},
+                                             "rows": rows, "table": md}, indent=2) + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""paradraft's CPU kernel for the few-row projections of decoding (small_linear.cpp), built once per host.
+
+A decoding step multiplies one row per sequence by every weight matrix and a verification step K+1 rows, so its
+time is the time to stream the weights from memory. torch's own CPU path streams bf16 weights at ~10 GB/s on the
+2-core AVX-512 host of BENCHMARKS.md ("Engine speed"), and float32 weights at ~13 GB/s for 4 rows; the kernel reads
+them at 21 GB/s (bf16, 1 row) and 16-17 GB/s (bf16 and float32, 4 rows), against ~23 GB/s the memory delivers.
+
+The C++ source is compiled with torch's extension toolchain (a C++ compiler and ninja) the first time a process
+needs it, into $PARADRAFT_CACHE/kernels/<hash of source, torch and CPU flags> (~10 s, reported once on stderr),
+and loaded from there afterwards. It needs AVX-512 (F, BW, VL; BF16 when the CPU has it). Where it cannot be built
+or loaded (another CPU, no compiler) the projections run through torch, with one line saying why; nothing else
+changes. $PARADRAFT_KERNELS=off never builds or uses it (reproducing torch's path, or measuring the kernel).
+
+`small_linear(x [M, K], weights) -> [M, sum N_i]`: x @ W_i^T for each weight [N_i, K], side by side, float32
+accumulation, rounded once to x's dtype (bfloat16 or float32), 1 <= M <= 64.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+KERNELS_ENV = "PARADRAFT_KERNELS"
+MAX_ROWS = 64
+_SOURCE = Path(__file__).with_name("small_linear.cpp")
+_STATE: dict = {}  # "ok": bool, "why": str, "build_s": float
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compile_flags(flags: set[str]) -> list[str] | None:
+    """The compiler flags for this CPU, or None where the kernel cannot run on it."""
+    if not {"avx512f", "avx512bw", "avx512vl", "fma"} <= flags:
+        return None
+    out = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
+    if "avx512_bf16" in flags:
+        out.append("-mavx512bf16")
+    if {"amx_tile", "amx_bf16"} <= flags:
+        out += ["-mamx-tile", "-mamx-bf16"]
+    return out
+
+
+def _build_dir(cflags: list[str]) -> Path:
+    from ..utils import cache_root
+
+    key = hashlib.sha256(_SOURCE.read_bytes() + repr((torch.__version__, cflags, sys.version_info[:2])).encode())
+    return cache_root() / "kernels" / f"small_linear-{key.hexdigest()[:16]}"
+
+
+def _load() -> None:
+    """Build (once per host) and load the kernel; record whether it is usable and why not."""
+    _STATE.update(ok=False, why="", build_s=0.0)
+    if os.environ.get(KERNELS_ENV, "on").lower() == "off":
+        _STATE["why"] = f"${KERNELS_ENV}=off"
+        return
+    cflags = _compile_flags(_cpu_flags())
+    if cflags is None:
+        _STATE["why"] = "this CPU lacks AVX-512"
+        return
+    build = _build_dir(cflags)
+    lib = build / "paradraft_small_linear.so"
+    t0 = time.perf_counter()
+    try:
+        if lib.is_file():
+            torch.ops.load_library(str(lib))
+        else:
+            from torch.utils.cpp_extension import load
+
+            build.mkdir(parents=True, exist_ok=True)
+            # ninja from this environment's bin (a pip-installed ninja) when the PATH has none
+            os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), str(Path(sys.executable).parent)])
+            print(f"[paradraft] building the CPU decoding kernel into {build} (once per host)", file=sys.stderr,
+                  flush=True)
+            load(name="paradraft_small_linear", sources=[str(_SOURCE)], extra_cflags=cflags,
+                 extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False, verbose=False)
+            _STATE["build_s"] = time.perf_counter() - t0
+            print(f"[paradraft] built the CPU decoding kernel in {_STATE['build_s']:.1f} s", file=sys.stderr,
+                  flush=True)
+    except Exception as e:  # no compiler, no ninja, a read-only cache: torch's path instead, said once
+        _STATE["why"] = f"it could not be built ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
+        print(f"[paradraft] the CPU decoding kernel is not used: {_STATE['why']}; projections run through torch",
+              file=sys.stderr, flush=True)
+        return
+    _register_fake()
+    _STATE["ok"] = True
+
+
+def _register_fake() -> None:
+    """The op's shape rule for torch.compile (the compiled decode step calls it as an opaque kernel)."""
+    if _STATE.get("fake"):
+        return
+
+    @torch.library.register_fake("paradraft::small_linear")
+    def _(x, weights):
+        return x.new_empty(x.shape[0], sum(w.shape[0] for w in weights))
+
+    _STATE["fake"] = True
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded in this process (building it on first call)."""
+    if "ok" not in _STATE:
+        _load()
+    return _STATE["ok"]
+
+
+def status() -> dict:
+    """{"used": bool, "why_not": str, "build_s": float}: for benchmarks' JSON."""
+    available()
+    return {"used": _STATE["ok"], "why_not": _STATE["why"], "build_s": round(_STATE["build_s"], 2)}
+
+
+def small_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] @ W_i^T for each weight W_i [N_i, K] -> [M, sum N_i] (see the module docstring)."""
+    return torch.ops.paradraft.small_linear(x, weights)

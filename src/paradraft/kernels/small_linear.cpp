@@ -1,0 +1,273 @@
+// paradraft's CPU kernel for the projections of a decoding or verification step: y = x @ W^T for a few rows of x.
+//
+// A decoding step multiplies 1 row (per sequence) by every weight matrix, a verification step K+1 rows: the time is
+// the time to read the weights once from memory. On the 2-core AVX-512 host of BENCHMARKS.md ("Engine speed") torch's
+// bf16 path read them at ~10 GB/s and its float32 path at ~13 GB/s for 4 rows, against ~23 GB/s that the memory
+// delivers. This kernel streams each weight row once, converts bf16 to float32 in registers (a bf16 x bf16 product is
+// exact in float32), and keeps up to 4 x-rows x 4 weight rows of float32 accumulators in registers.
+//
+// Ops (registered in the `paradraft` namespace, CPU):
+//   small_linear(x [M, K], weights [N_i, K] ..., out_dtype) -> y [M, sum N_i]: the weights' outputs side by side
+//   (q|k|v or gate|up in one call, no concatenated copy of the weights). x and every weight share one dtype
+//   (bfloat16 or float32); accumulation in float32; y is rounded to x's dtype once, as torch's own linear does.
+// Rows are split over torch's intra-op threads (at::parallel_for), so the kernel shares torch's thread pool.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int NB = 4;  // weight rows per block
+constexpr int MB = 4;  // x rows per block
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // 16 bf16 -> 16 float32 (bf16 is the top half of a float32)
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load_tail(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load_tail(const c10::BFloat16* p, __mmask16 m) {
+  __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// acc[m][j] = sum_k xf[m][k] * w[j][k] for `mb` x rows (float32, [mb, K]) and `nb` weight rows.
+template <typename W, int M_, int N_>
+inline void block(const float* xf, int64_t K, const W* const* w, float* out, int64_t ldo) {
+  __m512 acc[M_][N_];
+  _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m)
+    _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    // the next block's rows (contiguous after these): the hardware prefetcher alone left the kernel at ~13 GB/s
+    _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) _mm_prefetch((const char*)(w[j] + N_ * K + k), _MM_HINT_T0);
+    __m512 wv[N_];
+    _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) wv[j] = load16(w[j] + k);
+    _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m) {
+      __m512 xv = _mm512_loadu_ps(xf + m * K + k);
+      _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  if (k < K) {
+    __mmask16 tail = (__mmask16)((1u << (K - k)) - 1);
+    __m512 wv[N_];
+    _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) wv[j] = load_tail(w[j] + k, tail);
+    _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m) {
+      __m512 xv = _mm512_maskz_loadu_ps(tail, xf + m * K + k);
+      _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m)
+    for (int j = 0; j < N_; ++j) out[m * ldo + j] = _mm512_reduce_add_ps(acc[m][j]);
+}
+
+#ifdef __AVX512BF16__
+// bf16 x bf16 pairs with VDPBF16PS: 32 weights per instruction, x read as bf16 (no conversion).
+template <int M_, int N_>
+inline void block_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* const* w, float* out, int64_t ldo) {
+  __m512 acc[M_][N_];
+  _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m)
+    _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) _mm_prefetch((const char*)(w[j] + N_ * K + k), _MM_HINT_T0);
+    __m512bh wv[N_];
+    _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + k);
+    _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m) {
+      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  }
+  if (k < K) {
+    __mmask32 tail = (__mmask32)((1ull << (K - k)) - 1);
+    __m512bh wv[N_];
+    _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(tail, w[j] + k);
+    _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m) {
+      __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * K + k);
+      _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  }
+  _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m)
+    for (int j = 0; j < N_; ++j) out[m * ldo + j] = _mm512_reduce_add_ps(acc[m][j]);
+}
+template <typename W, int M_, int N_>
+inline void block(const c10::BFloat16* x, int64_t K, const c10::BFloat16* const* w, float* out, int64_t ldo) {
+  block_bf16<M_, N_>(x, K, w, out, ldo);
+}
+#endif
+
+
+#ifdef __AMX_BF16__
+// AMX (bf16 tiles) for 2..16 x rows: y^T = W x^T with W as the tiles' A operand, read in place (16 weight rows x 32
+// k per tile load, its row stride the weight's), and x packed once per call in the B layout [K/2, M, 2]. Every tile
+// multiply covers all M rows, so 4 or 16 rows cost what 1 costs: the weights' read.
+#include <sys/syscall.h>
+#include <unistd.h>
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_permitted() {  // Linux asks a process to request the AMX tile state once
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+// tiles 0-3: C (16 outputs x M float32), 4-5: A (16 weight rows x 32 bf16), 6: B (16 k pairs x M x 2 bf16)
+void configure(int64_t M) {
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) cfg.rows[t] = 16, cfg.colsb[t] = M * 4;
+  for (int t = 4; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  cfg.rows[6] = 16, cfg.colsb[6] = M * 4;
+  _tile_loadconfig(&cfg);
+}
+
+// one block of 16 rows of w [*, K] against packed x -> out[m * N + col0 + i]. The block is 16 * K contiguous bf16,
+// the tile loads walk it in 64-byte columns; the next block is prefetched linearly, 16 lines per step, alongside.
+inline void amx_block(const c10::BFloat16* w, int64_t K, const c10::BFloat16* xpack, int64_t M,
+                      c10::BFloat16* out, int64_t N, int64_t col0) {
+  const int64_t lda = K * 2;  // bytes between weight rows
+  const char* next = reinterpret_cast<const char*>(w + 16 * K);
+  _tile_zero(0);
+  for (int64_t k = 0, t = 0; k < K; k += 32, ++t) {
+    for (int l = 0; l < 16; ++l) _mm_prefetch(next + (t * 16 + l) * 64, _MM_HINT_T0);
+    _tile_loadd(6, xpack + (k / 2) * M * 2, M * 4);
+    _tile_loadd(4, w + k, lda);
+    _tile_dpbf16ps(0, 4, 6);
+  }
+  alignas(64) float c[16 * 16];
+  _tile_stored(0, c, M * 4);
+  for (int i = 0; i < 16; ++i)
+    for (int64_t m = 0; m < M; ++m) out[m * N + col0 + i] = c10::BFloat16(c[i * M + m]);  // rounded once
+}
+
+// every weight's rows (a multiple of 16) in units of 16; K a multiple of 32; 2 <= M <= 16
+void run_amx(const c10::BFloat16* x, int64_t M, int64_t K, const std::vector<at::Tensor>& ws, c10::BFloat16* y,
+             int64_t N) {
+  std::vector<c10::BFloat16> xpack(K * M);  // [K/2, M, 2]: x[m, 2p + e] at (p * M + m) * 2 + e
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xpack[((k / 2) * M + m) * 2 + (k & 1)] = x[m * K + k];
+  std::vector<const c10::BFloat16*> base;
+  std::vector<int64_t> unit0, col0;  // first unit and first output column of each weight
+  int64_t units = 0, col = 0;
+  for (const auto& w : ws) {
+    base.push_back(w.data_ptr<c10::BFloat16>());
+    unit0.push_back(units);
+    col0.push_back(col);
+    units += w.size(0) / 16;
+    col += w.size(0);
+  }
+  unit0.push_back(units);
+  at::parallel_for(0, units, 4, [&](int64_t u0, int64_t u1) {
+    configure(M);
+    for (int64_t u = u0; u < u1; ++u) {
+      size_t i = 0;
+      while (unit0[i + 1] <= u) ++i;
+      const int64_t r = u - unit0[i];  // block within weight i
+      amx_block(base[i] + r * 16 * K, K, xpack.data(), M, y, N, col0[i] + r * 16);
+    }
+    _tile_release();
+  });
+}
+
+bool amx_fits(int64_t M, int64_t K, const std::vector<at::Tensor>& ws) {
+  if (M < 5 || M > 16 || K % 32 != 0 || !amx_permitted()) return false;  // 1..4 rows: VDPBF16PS, measured faster
+  for (const auto& w : ws)
+    if (w.size(0) % 16 != 0) return false;
+  return true;
+}
+#endif
+
+// every x row against N_ weight rows, in blocks of MB x rows
+template <typename W, typename X, int N_>
+inline void rows_block(const X* xs, int64_t M, int64_t K, const W* const* w, float* out, int64_t ldo) {
+  int64_t m = 0;
+  for (; m + MB <= M; m += MB) block<W, MB, N_>(xs + m * K, K, w, out + m * ldo, ldo);
+  switch (M - m) {
+    case 3: block<W, 3, N_>(xs + m * K, K, w, out + m * ldo, ldo); break;
+    case 2: block<W, 2, N_>(xs + m * K, K, w, out + m * ldo, ldo); break;
+    case 1: block<W, 1, N_>(xs + m * K, K, w, out + m * ldo, ldo); break;
+    default: break;
+  }
+}
+
+// y [M, N] in W's dtype (float32 accumulators rounded once)
+template <typename W, typename X>
+void run(const X* xp, int64_t M, int64_t K, const std::vector<at::Tensor>& ws, W* yp, int64_t N) {
+  std::vector<const W*> base;
+  std::vector<int64_t> first;  // first output column of each weight
+  int64_t col = 0;
+  for (const auto& w : ws) {
+    base.push_back(w.data_ptr<W>());
+    first.push_back(col);
+    col += w.size(0);
+  }
+  const int64_t nblocks = (N + NB - 1) / NB;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    float tmp[64 * NB];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NB, nb = std::min<int64_t>(NB, N - n0);
+      const W* rows[NB];
+      for (int64_t j = 0; j < nb; ++j) {  // global output column -> (weight, row)
+        const int64_t n = n0 + j;
+        size_t i = 0;
+        while (i + 1 < first.size() && first[i + 1] <= n) ++i;
+        rows[j] = base[i] + (n - first[i]) * K;
+      }
+      if (nb == NB) {
+        rows_block<W, X, NB>(xp, M, K, rows, tmp, NB);
+      } else {
+        for (int64_t j = 0; j < nb; ++j) rows_block<W, X, 1>(xp, M, K, rows + j, tmp + j, NB);
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < nb; ++j) yp[m * N + n0 + j] = W(tmp[m * NB + j]);
+    }
+  });
+}
+
+at::Tensor small_linear(const at::Tensor& x, at::TensorList weights) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "small_linear: x must be a contiguous CPU [M, K]");
+  TORCH_CHECK(!weights.empty(), "small_linear: no weights");
+  const int64_t K = x.size(1);
+  int64_t N = 0;
+  std::vector<at::Tensor> ws;
+  for (const auto& w : weights) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.is_contiguous() && w.scalar_type() == x.scalar_type(),
+                "small_linear: every weight must be a contiguous [N, K] of x's dtype");
+    ws.push_back(w);
+    N += w.size(0);
+  }
+  TORCH_CHECK(x.size(0) <= 64, "small_linear: at most 64 rows");
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+#ifdef __AMX_BF16__
+    if (amx_fits(M, K, ws)) {
+      run_amx(x.data_ptr<c10::BFloat16>(), M, K, ws, yp, N);
+      return y;
+    }
+#endif
+#ifdef __AVX512BF16__
+    run<c10::BFloat16, c10::BFloat16>(x.data_ptr<c10::BFloat16>(), M, K, ws, yp, N);
+#else
+    at::Tensor xf = x.to(at::kFloat);
+    run<c10::BFloat16, float>(xf.data_ptr<float>(), M, K, ws, yp, N);
+#endif
+    return y;
+  }
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "small_linear: bfloat16 or float32 only");
+  run<float, float>(x.data_ptr<float>(), M, K, ws, y.data_ptr<float>(), N);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(paradraft, m) { m.def("small_linear(Tensor x, Tensor[] weights) -> Tensor"); }
+TORCH_LIBRARY_IMPL(paradraft, CPU, m) { m.impl("small_linear", &small_linear); }

@@ -1,0 +1,116 @@
+"""paradraft's CPU kernel for few-row projections (kernels/small_linear.cpp) and the rule that picks it (linear.py).
+
+The kernel is built on first use on an AVX-512 host; elsewhere these tests say why they skip and the projections
+run through torch (that fallback is what the rest of the suite then exercises).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paradraft import kernels
+from paradraft.verifier.linear import KERNEL_ROWS, linear, linears
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason=f"no kernel here: {kernels.status()['why_not']}")
+
+
+def _reference(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+    """float64 x @ W^T for each weight, side by side: [M, sum N_i]."""
+    return torch.cat([x.double() @ w.double().T for w in ws], dim=-1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 33])
+def test_kernel_equals_the_product_for_every_row_count_and_tail(dtype, rows):
+    """Every row count (1..4: AVX-512; 5..16 in bf16: AMX where the CPU has it; beyond: blocks of rows), weights
+    whose rows and inner size are no multiple of the blocks (tails), several weights side by side."""
+    g = torch.Generator().manual_seed(rows)
+    for k, ns in ((64, [96]), (576, [576, 192, 192]), (100, [7, 33]), (1536, [576]), (48, [16, 5])):
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        ws = [torch.randn(n, k, generator=g).to(dtype) for n in ns]
+        y = kernels.small_linear(x, ws)
+        assert y.shape == (rows, sum(ns)) and y.dtype == dtype
+        ref = _reference(x, ws)
+        # float32 accumulation in another order; bf16 rounds the result once (2^-8 relative)
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        scale = ref.abs().max().item()
+        assert (y.double() - ref).abs().max().item() <= tol * scale, (k, ns)
+
+
+@needs_kernel
+def test_kernel_refuses_what_it_cannot_compute():
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.small_linear(x, [torch.randn(64, 32).T])  # a transposed view
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernels.small_linear(x, [torch.randn(8, 64).bfloat16()])
+    with pytest.raises(RuntimeError, match="at most 64 rows"):
+        kernels.small_linear(torch.randn(65, 64), [torch.randn(8, 64)])
+
+
+@needs_kernel
+def test_the_rule_takes_the_kernel_only_where_measured_faster_and_never_for_training():
+    """linear(): the kernel for KERNEL_ROWS rows in inference mode (the engine); one float32 row is torch's own
+    product (plain float32 decoding computed as Hugging Face computes it); many rows, and anything outside inference
+    mode (training, its no-grad parts): the module."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96)
+    with torch.inference_mode():
+        for dtype, (lo, hi) in KERNEL_ROWS.items():
+            m = nn.Linear(64, 96).to(dtype)
+            for rows in (1, 2, 4, 16, 17):
+                x = torch.randn(rows, 64).to(dtype)
+                got = linear(m, x)
+                if lo <= rows <= hi:
+                    assert torch.equal(got, kernels.small_linear(x, [m.weight]) + m.bias)
+                else:
+                    assert torch.equal(got, m(x))
+        x = torch.randn(1, 3, 64)  # one row in float32, any leading shape
+        assert torch.equal(linear(lin, x[:, :1]), lin(x[:, :1]))
+        q, k = linears([lin, nn.Linear(64, 32)], x)  # [1, 3, 96], [1, 3, 32]: one call, split
+        assert q.shape == (1, 3, 96) and k.shape == (1, 3, 32)
+        torch.testing.assert_close(q, lin(x), rtol=1e-5, atol=1e-5)
+    x = torch.randn(4, 64)
+    assert torch.equal(linear(lin, x), lin(x))  # autograd recording (training): the module's own bits
+    with torch.no_grad():  # training's no-grad work (partitioning's context keys, validation): the module too
+        assert torch.equal(linear(lin, x), lin(x))
+
+
+def test_kernel_off_by_environment_is_said(monkeypatch):
+    """$PARADRAFT_KERNELS=off: never built or used, and status says why."""
+    saved = dict(kernels._STATE)
+    monkeypatch.setenv(kernels.KERNELS_ENV, "off")
+    kernels._STATE.clear()
+    try:
+        assert not kernels.available()
+        assert kernels.status() == {"used": False, "why_not": f"${kernels.KERNELS_ENV}=off", "build_s": 0.0}
+        with torch.inference_mode():
+            lin, x = nn.Linear(64, 96), torch.randn(4, 64)
+            assert torch.equal(linear(lin.bfloat16(), x.bfloat16()), lin(x.bfloat16()))
+    finally:
+        kernels._STATE.clear()
+        kernels._STATE.update(saved)
+
+
+def test_compile_flags_follow_the_cpu():
+    """Built only where it can run: AVX-512 F/BW/VL; its bf16 and AMX paths only where the CPU has them."""
+    assert kernels._compile_flags({"avx2", "fma"}) is None
+    base = {"avx512f", "avx512bw", "avx512vl", "fma"}
+    assert "-mavx512bf16" not in kernels._compile_flags(base)
+    assert "-mavx512bf16" in kernels._compile_flags(base | {"avx512_bf16"})
+    assert "-mamx-bf16" in kernels._compile_flags(base | {"avx512_bf16", "amx_tile", "amx_bf16"})
+    assert "-mamx-bf16" not in kernels._compile_flags(base | {"amx_tile"})
+
+
+def test_projection_through_the_rule_equals_torch_within_rounding():
+    """Whatever path this host takes (kernel or not), a few rows of a projection equal torch's within rounding."""
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 80)
+    with torch.inference_mode():
+        for rows in (1, 3, 8):
+            x = torch.randn(rows, 128)
+            torch.testing.assert_close(linear(lin, x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
