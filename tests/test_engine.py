@@ -287,9 +287,12 @@ def test_compiled_engine_writes_the_eager_engines_tokens(flavour):
     plain decoding equals the eager engine and HF generate; P-EAGLE at K=3 (4 rows verified) equals plain decoding;
     one row and several, rows finishing apart (the compiled step then serves a subset of the cache's rows);
     Qwen3's q/k norms. Compilation is recorded in compile_s."""
+    from torch._dynamo.utils import counters
+
     v = make_tiny_llama(vocab_size=120, qwen3=(flavour == "qwen3"), seed=1)
     d, _ = tiny_drafter("peagle", flavour, verifier=v)
     prompts = prompts_for(120, n=6)
+    counters.clear()
     eager = gen(Engine(v), prompts, 3, GenerationConfig(max_new_tokens=24))
     counts = torch.bincount(torch.tensor([t for r in eager for t in r.token_ids[4:]]), minlength=120)
     g = GenerationConfig(max_new_tokens=24, num_speculative_tokens=3, eos_token_ids=[int(counts.argmax())])
@@ -302,6 +305,7 @@ def test_compiled_engine_writes_the_eager_engines_tokens(flavour):
         assert [r.token_ids for r in gen(plain, prompts, bs, g)] == [r.token_ids for r in ref]
         assert [r.token_ids for r in gen(spec, prompts, bs, g)] == [r.token_ids for r in ref]
     assert plain.compile_s > 0 and spec.compile_s > 0
+    assert not counters["graph_break"], dict(counters["graph_break"])  # every step one graph per layer group
     for p, r in zip(prompts[:3], gen(plain, prompts[:3], 1, GenerationConfig(max_new_tokens=24))):
         ids = torch.tensor([p])
         hf = v.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,

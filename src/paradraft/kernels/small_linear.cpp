@@ -35,6 +35,24 @@ inline __m512 load_tail(const c10::BFloat16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+inline __m256 half_sum(__m512 a) {  // 16 -> 8 lanes: low half + high half
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+// out[0..N_) = the lane sums of acc[0..N_): four at once by a tree of adds (19 instructions for 4 sums, against ~8
+// for each one alone)
+template <int N_>
+inline void lane_sums(const __m512* acc, float* out) {
+  if constexpr (N_ == 4) {
+    __m256 ab = _mm256_hadd_ps(half_sum(acc[0]), half_sum(acc[1]));  // [a01 a23 b01 b23 | a45 a67 b45 b67]
+    __m256 cd = _mm256_hadd_ps(half_sum(acc[2]), half_sum(acc[3]));
+    __m256 abcd = _mm256_hadd_ps(ab, cd);  // [a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7]
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+  } else {
+    for (int j = 0; j < N_; ++j) out[j] = _mm512_reduce_add_ps(acc[j]);
+  }
+}
+
 // acc[m][j] = sum_k xf[m][k] * w[j][k] for `mb` x rows (float32, [mb, K]) and `nb` weight rows.
 template <typename W, int M_, int N_>
 inline void block(const float* xf, int64_t K, const W* const* w, float* out, int64_t ldo) {
@@ -62,7 +80,7 @@ inline void block(const float* xf, int64_t K, const W* const* w, float* out, int
     }
   }
   _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m)
-    for (int j = 0; j < N_; ++j) out[m * ldo + j] = _mm512_reduce_add_ps(acc[m][j]);
+    lane_sums<N_>(acc[m], out + m * ldo);
 }
 
 #ifdef __AVX512BF16__
@@ -92,7 +110,7 @@ inline void block_bf16(const c10::BFloat16* x, int64_t K, const c10::BFloat16* c
     }
   }
   _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m)
-    for (int j = 0; j < N_; ++j) out[m * ldo + j] = _mm512_reduce_add_ps(acc[m][j]);
+    lane_sums<N_>(acc[m], out + m * ldo);
 }
 template <typename W, int M_, int N_>
 inline void block(const c10::BFloat16* x, int64_t K, const c10::BFloat16* const* w, float* out, int64_t ldo) {

@@ -79,7 +79,9 @@ def _plain(module: nn.Module, x: torch.Tensor) -> bool:
     module's bits, whatever a kernel or a timing would pick."""
     w = getattr(module, "weight", None)
     return (type(module) is nn.Linear and w.dtype == x.dtype and w.device.type == "cpu" and not module._forward_hooks
-            and not module._forward_pre_hooks and torch.is_inference_mode_enabled())
+            and not module._forward_pre_hooks and not torch.is_grad_enabled()
+            # (compiled code is the engine's, traced in inference mode; dynamo cannot ask for the mode itself)
+            and (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()))
 
 
 def _kernel_rows(x: torch.Tensor, rows: int) -> bool:
