@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -54,7 +57,7 @@ def costs(vllm_out: dict) -> list[dict]:
     return out
 
 
-def table(res: dict, cost_rows: list[dict]) -> str:
+def table(res: dict, cost_rows: dict[str, list[dict]]) -> str:
     mine = {(r["method"], r["drafter"], r["k"]): r for r in res["paradraft"]["results"]}
     names = drafter_labels(res["vllm"])
     lines = ["| method | drafter | K | AL paradraft | AL vLLM | tokens/s paradraft | tokens/s vLLM | speedup paradraft "
@@ -67,12 +70,13 @@ def table(res: dict, cost_rows: list[dict]) -> str:
         lines.append(f"| {v['method']} | {names.get(v['drafter'], '-')} | {v['k'] or '-'} | {al_m} | "
                      f"{v['acceptance_length']:.2f} | {tps_m} | {v['tokens_per_s']:.1f} | {sp_m} | "
                      f"{v['speedup']:.2f}x |")
-    lines += ["", "| method | drafter | K | vLLM plain step | drafter pass | step ratio | acceptance length | "
-              "speedup | n-gram pass |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for c in cost_rows:
-        lines.append(f"| {c['method']} | {c['drafter']} | {c['k']} | {c['plain_step_ms']:.1f} ms | "
-                     f"{c['pass_ms']:.1f} ms | {c['step_ratio']:.2f} | {c['acceptance_length']:.2f} | "
-                     f"{c['speedup']:.2f}x | {c.get('ngram_pass_ms', float('nan')):.1f} ms |")
+    lines += ["", "| engine | method | drafter | K | plain step | drafter pass | step ratio | acceptance length | "
+              "speedup | n-gram pass |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for engine, rows in cost_rows.items():
+        for c in rows:
+            lines.append(f"| {engine} | {c['method']} | {c['drafter']} | {c['k']} | {c['plain_step_ms']:.1f} ms | "
+                         f"{c['pass_ms']:.1f} ms | {c['step_ratio']:.2f} | {c['acceptance_length']:.2f} | "
+                         f"{c['speedup']:.2f}x | {c.get('ngram_pass_ms', float('nan')):.1f} ms |")
     return "\n".join(lines)
 
 
@@ -87,16 +91,19 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--regenerate", type=int, default=0)
     ap.add_argument("--regenerate-batch", type=int, default=16)
+    ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="paradraft's engine")
+    ap.add_argument("--no-prompt-lookup", action="store_true")
     ap.add_argument("--output", default="benchmarks/results/vllm-side-by-side.json")
     a = ap.parse_args()
     out = Path(a.output)
     common = dict(drafter=a.drafter, dataset="sharegpt-val", data=a.data, num_prompts=a.prompts,
-                  max_new_tokens=a.max_new_tokens, num_speculative_tokens=a.k, repeats=a.repeats, dtype=a.dtype)
+                  max_new_tokens=a.max_new_tokens, num_speculative_tokens=a.k, repeats=a.repeats, dtype=a.dtype,
+                  prompt_lookup=not a.no_prompt_lookup, compile=a.compile)
     res = {}
     for engine in ("paradraft", "vllm"):
         res[engine] = bench(BenchConfig(**common, engine=engine,
                                         output=str(out.with_name(f"{out.stem}-{engine}.json"))))
-    cost_rows = costs(res["vllm"])
+    cost_rows = {engine: costs(res[engine]) for engine in ("paradraft", "vllm")}  # per verifier pass, wall / passes
     md = table(res, cost_rows)
     regen = {}
     if a.regenerate:
@@ -105,11 +112,17 @@ def main() -> None:
                 r = regenerate(RegenerateConfig(data=["sharegpt"], output=str(Path(d) / f"{engine}.jsonl"),
                                                 max_samples=a.regenerate, max_new_tokens=a.max_new_tokens,
                                                 max_prompt_tokens=256, batch_size=a.regenerate_batch, dtype=a.dtype,
-                                                engine=engine))
-                regen[engine] = {k: r[k] for k in ("written", "new_tokens", "seconds", "new_tokens_per_s")}
+                                                engine=engine, compile=a.compile))
+                regen[engine] = {k: r[k] for k in ("written", "new_tokens", "seconds", "new_tokens_per_s",
+                                                   "compile_s") if k in r}
         md += (f"\n\nregenerate, {a.regenerate} conversations, batch {a.regenerate_batch}, {a.dtype}: "
                + ", ".join(f"{e} {v['new_tokens_per_s']} new tokens/s" for e, v in regen.items()))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    amx = "amx_bf16" in Path("/proc/cpuinfo").read_text()
     out.write_text(json.dumps({"benchmark": "vllm_side_by_side", "date": time.strftime("%Y-%m-%d %H:%M"),
+                               "commit": commit, "host": {"cpu": cpu, "amx": amx, "cores": os.cpu_count()},
                                "args": vars(a), "costs": cost_rows, "regenerate": regen, "table": md},
                               indent=2) + "\n")
     print(md)

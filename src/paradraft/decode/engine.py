@@ -71,7 +71,11 @@ class Result:
 
 
 class Engine:
-    """Generate with a verifier and an optional drafter (P-EAGLE or EAGLE-3)."""
+    """Generate with a verifier and an optional drafter (P-EAGLE or EAGLE-3).
+
+    `compile=True` runs the verifier's decoding and verification steps through torch.compile (VerifierRunner.compile;
+    `compile_wanted` is the commands' rule); the first step of each kind pays the compilation, `compile_s` says how
+    long. On a CPU the projections take paradraft's kernel where it is built (kernels/, verifier/linear.py)."""
 
     def __init__(self, verifier, drafter=None, max_len: int = 4096, max_len_flag: str | None = None,
                  compile: bool = False):

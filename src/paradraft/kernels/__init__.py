@@ -2,8 +2,9 @@
 
 A decoding step multiplies one row per sequence by every weight matrix and a verification step K+1 rows, so its
 time is the time to stream the weights from memory. torch's own CPU path streams bf16 weights at ~10 GB/s on the
-2-core AVX-512 host of BENCHMARKS.md ("Engine speed"), and float32 weights at ~13 GB/s for 4 rows; the kernel reads
-them at 21 GB/s (bf16, 1 row) and 16-17 GB/s (bf16 and float32, 4 rows), against ~23 GB/s the memory delivers.
+2-core AVX-512 host of BENCHMARKS.md ("The engine at the machine's limit"), and float32 weights at ~13 GB/s for 4
+rows; the kernel reads them at ~22 GB/s (bf16, 1 row) and 18-22 GB/s (4 rows), against ~22-24 GB/s that the memory
+delivers there.
 
 The C++ source is compiled with torch's extension toolchain (a C++ compiler and ninja) the first time a process
 needs it, into $PARADRAFT_CACHE/kernels/<hash of source, torch and CPU flags> (~10 s, reported once on stderr),

@@ -1,13 +1,15 @@
 // paradraft's CPU kernel for the projections of a decoding or verification step: y = x @ W^T for a few rows of x.
 //
 // A decoding step multiplies 1 row (per sequence) by every weight matrix, a verification step K+1 rows: the time is
-// the time to read the weights once from memory. On the 2-core AVX-512 host of BENCHMARKS.md ("Engine speed") torch's
-// bf16 path read them at ~10 GB/s and its float32 path at ~13 GB/s for 4 rows, against ~23 GB/s that the memory
-// delivers. This kernel streams each weight row once, converts bf16 to float32 in registers (a bf16 x bf16 product is
-// exact in float32), and keeps up to 4 x-rows x 4 weight rows of float32 accumulators in registers.
+// the time to read the weights once from memory. On the 2-core AVX-512 host of BENCHMARKS.md ("The engine at the
+// machine's limit") torch's bf16 path read them at ~10 GB/s and its float32 path at ~13 GB/s for 4 rows, against
+// ~23 GB/s that the memory delivers. This kernel streams each weight row once (prefetching the next rows), and keeps
+// up to 4 x-rows x 4 weight rows of float32 accumulators in registers: bf16 pairs by VDPBF16PS, or bf16 converted
+// to float32 in registers where the CPU lacks it (a bf16 x bf16 product is exact in float32), float32 by FMA; AMX
+// tiles for 5..16 bf16 rows.
 //
 // Ops (registered in the `paradraft` namespace, CPU):
-//   small_linear(x [M, K], weights [N_i, K] ..., out_dtype) -> y [M, sum N_i]: the weights' outputs side by side
+//   small_linear(x [M, K], weights [N_i, K] ...) -> y [M, sum N_i], 1 <= M <= 64: the weights' outputs side by side
 //   (q|k|v or gate|up in one call, no concatenated copy of the weights). x and every weight share one dtype
 //   (bfloat16 or float32); accumulation in float32; y is rounded to x's dtype once, as torch's own linear does.
 // Rows are split over torch's intra-op threads (at::parallel_for), so the kernel shares torch's thread pool.

@@ -2,19 +2,20 @@
 weight matrix, a decoding step one.
 
 THE rule of which path a CPU projection takes at inference (`linear`, `linears`):
-- paradraft's kernel (kernels/, AVX-512 hosts) for 1..16 rows in bfloat16 and 2..16 rows in float32, measured faster
-  than torch's path there (BENCHMARKS.md, "Engine speed"). One float32 row stays on torch's path: a decoding step
-  is then computed as Hugging Face computes it, and plain float32 decoding stays bit-identical to `generate`;
+- paradraft's kernel (kernels/, AVX-512 hosts) for 1..16 rows in bfloat16 and 2..16 rows in float32, measured
+  faster than torch's path there (BENCHMARKS.md, "The engine at the machine's limit"; beyond 16 rows torch's
+  path, AMX through oneDNN, is faster). One float32 row stays on torch's path (as fast there): an eager decoding
+  step is then computed as Hugging Face computes it;
 - else, on hosts without the kernel, the measured small-M rule below for 2..16 float32 rows;
 - else the module as it is.
 
 Without the kernel, on a CPU in float32, `F.linear(x, W)` (what nn.Linear runs: x @ W^T) takes a small-M path that
-costs 2-3x the same product computed as (W @ x^T)^T for 2..16 rows, measured on a 2-core AVX2 host with MKL (BENCHMARKS.md,
-"Small-M matmuls"): there a K=3 verification step cost 1.8x a decoding step, and speculative decoding ran slower
-than plain decoding. Which path is faster depends on the CPU, its BLAS and the shape (on that host 8 rows ran
-slower transposed), so the rule is measured, not assumed: the first time a (rows, weight shape, threads) is seen,
-both paths are timed on it, on weights read from memory as a forward reads them (~ms), and the transposed
-one is kept only if it is >= 10% faster.
+costs 2-3x the same product computed as (W @ x^T)^T for 2..16 rows, measured on a 2-core AVX2 host with MKL
+(docs/experiments/benchmarks-log.md, "Small-M matmuls"): there a K=3 verification step cost 1.8x a decoding step,
+and speculative decoding ran slower than plain decoding. Which path is faster depends on the CPU, its BLAS and the
+shape (on that host 8 rows ran slower transposed), so the rule is measured, not assumed: the first time a (rows,
+weight shape, threads) is seen, both paths are timed on it, on weights read from memory as a forward reads them
+(~ms), and the transposed one is kept only if it is >= 10% faster.
 $PARADRAFT_SMALL_M=on / off forces it for 2..16 rows (reproducing a run, or measuring the rule itself).
 The drafter's projections take the same rule when it drafts. Elsewhere (other row counts, a GPU, a Linear subclass,
 a module with hooks, or outside torch.inference_mode: training, its validation and its no-grad context keys) the

@@ -67,10 +67,10 @@ class VerifierRunner:
         """Compile the decoding and verification steps (up to 16 tokens per row; a prefill stays eager) with
         torch.compile (inductor): a group of ~10 consecutive layers, whose code every group reuses (the layers'
         weights are its inputs), and the logits. Per-operation overhead was ~40% of a bf16 decoding step of the
-        embedded verifier on 2 cores; one graph of all 30 layers ran 0.5 ms faster per step but took 4x as long to
-        compile (BENCHMARKS.md, "Engine speed"). Rows and keys in use are dynamic, so a run compiles once per
-        kind of step (decoding, verifying K+1, one row or several); the first such step pays it (~25 s on 2 cores,
-        ~4 s where inductor's on-disk cache already holds it), recorded in `compile_s`."""
+        embedded verifier on 2 cores; one graph of all 30 layers ran ~0.5 ms faster per step but took ~2x as long
+        to compile (BENCHMARKS.md, "The engine at the machine's limit"). Rows and keys in use are dynamic, so a run
+        compiles once per kind of step (decoding, verifying K+1, one row or several); the first such step pays it
+        (~25 s on 2 cores, ~4 s where inductor's on-disk cache already holds it), recorded in `compile_s`."""
         kernels.available()  # built and loaded before tracing: the graphs call it
         self._compiled = (torch.compile(self._layers, dynamic=None), torch.compile(self._head, dynamic=None))
 
