@@ -1,0 +1,65 @@
+"""paradraft's CPU kernel against torch's own product on the projections of a decoding step, weights from memory.
+
+One pass multiplies `rows` rows by every projection matrix of SmolLM2-135M (30 layers x q, k, v, o, gate, up, down,
+and the 49,152 x 576 lm_head: 211 matrices, 269 MB in bf16), each read from memory as a decoding step reads it
+(random weights of those shapes; the model's ~0.5 GB in float32 exceeds the caches). Reported as the weights' GB/s:
+the bandwidth a step reaches on its projections. Median of 15 passes per (dtype, rows, path).
+
+  python benchmarks/bench_small_linear.py [--rows 1 2 4 8 16 32] [--output benchmarks/results/small-linear.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from paradraft import kernels
+
+H, FF, V, L = 576, 1536, 49152, 30  # hidden, MLP, vocabulary, layers
+SHAPES = [(H, H), (192, H), (192, H), (H, H), (FF, H), (FF, H), (H, FF)]
+
+
+def gbs(fn, ws, xs, reps: int = 15) -> float:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for w, x in zip(ws, xs):
+            fn(x, w)
+        ts.append(time.perf_counter() - t0)
+    return sum(w.numel() * w.element_size() for w in ws) / statistics.median(ts) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="at most 64")
+    ap.add_argument("--output", default="benchmarks/results/small-linear.json")
+    a = ap.parse_args()
+    torch.set_grad_enabled(False)
+    if not kernels.available():
+        raise SystemExit(f"the kernel is not available here: {kernels.status()['why_not']}")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        ws = [torch.randn(*s, generator=g).to(dtype) for _ in range(L) for s in SHAPES]
+        ws.append(torch.randn(V, H, generator=g).to(dtype))
+        for m in a.rows:
+            xs = [torch.randn(m, w.shape[1], generator=g).to(dtype) for w in ws]
+            kernel = gbs(lambda x, w: kernels.small_linear(x, [w]), ws, xs)
+            rows.append({"dtype": str(dtype).split(".")[-1], "rows": m,
+                         "torch_gbs": gbs(lambda x, w: F.linear(x, w), ws, xs), "kernel_gbs": kernel})
+            print(f"{rows[-1]['dtype']:9s} rows {m:3d}: torch {rows[-1]['torch_gbs']:5.1f} GB/s, "
+                  f"kernel {kernel:5.1f} GB/s", flush=True)
+    Path(a.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.output).write_text(json.dumps({"benchmark": "small_linear", "date": time.strftime("%Y-%m-%d %H:%M"),
+                                          "threads": torch.get_num_threads(), "kernel": kernels.status(),
+                                          "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
