@@ -89,7 +89,8 @@ class VerifierRunner:
         """
         Bq, n = tokens.shape
         B = self.k[0].shape[0]
-        if self._compiled is not None and n <= 16 and not last_only and rows is not None and Bq < B:
+        if (self._compiled is not None and n <= 16 and not last_only and rows is not None and Bq < B
+                and int(self.lengths.max()) + n <= self.max_len):  # (every row has room for n more)
             # a compiled step serves every row of the cache: the other rows are fed a token at their own length (an
             # entry past a row's length is stale by the cache's rule) and keep their lengths, their outputs dropped.
             # Gathering a subset's cache copied it whole in every layer and step (regenerate at batch 32 spent more
@@ -139,7 +140,7 @@ class VerifierRunner:
               layer=None, head=None):
         """The layers and the logits. h [B', n, H], cos/sin [B', n, 1, D], pos/ridx [B', n], rows [B'],
         key_pos [1, 1, S], causal [B', 1, n, S], the caches ks/vs [B, KVH, S_max, D] written in place
-        -> (logits [B', n or 1, V] float32, aux [B', n, len(aux) * H]). `layer`/`head`: compiled `_layer`/`_head`."""
+        -> (logits [B', n or 1, V] float32, aux [B', n, len(aux) * H]). `layer`/`head`: compiled `_layers`/`_head`."""
         layer, head = layer or self._layers, head or self._head
         auxes = []
         g = self.group
