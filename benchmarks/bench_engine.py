@@ -42,6 +42,21 @@ class Timer:
         return inner
 
 
+def drafter_or_stand_in(path: str | None, model, dtype: torch.dtype):
+    """The drafter at `path`, or an untrained P-EAGLE drafter of the default shape (8,192-token draft vocabulary)
+    standing in: a pass costs what it costs whatever the drafter learnt."""
+    if path:
+        return load_drafter(path, verifier=model, force=True).to(dtype)
+    torch.manual_seed(0)
+    cfg = DraftConfig.from_verifier(model.config, algorithm="peagle", draft_vocab_size=8192, mask_token_id=16)
+    drafter = build_drafter(cfg)
+    d2t = torch.zeros(8192, dtype=torch.long)
+    t2d = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    t2d[:8192] = True
+    drafter.init_from_verifier(model, d2t, t2d)
+    return drafter.to(dtype)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--drafter", default=None)
@@ -57,17 +72,7 @@ def main() -> None:
     eos = [tok.eos_token_id]
     g = GenerationConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=eos, num_speculative_tokens=7)
 
-    if args.drafter:
-        drafter = load_drafter(args.drafter, verifier=model, force=True).to(torch.bfloat16)
-    else:
-        torch.manual_seed(0)
-        cfg = DraftConfig.from_verifier(model.config, algorithm="peagle", draft_vocab_size=8192, mask_token_id=16)
-        drafter = build_drafter(cfg)
-        d2t = torch.zeros(8192, dtype=torch.long)
-        t2d = torch.zeros(model.config.vocab_size, dtype=torch.bool)
-        t2d[:8192] = True
-        drafter.init_from_verifier(model, d2t, t2d)
-        drafter = drafter.to(torch.bfloat16)
+    drafter = drafter_or_stand_in(args.drafter, model, torch.bfloat16)
 
     def hf_run():
         n, t0 = 0, time.perf_counter()

@@ -59,13 +59,12 @@ def bandwidth_gbs() -> float:
 def one(args) -> dict:
     """One configuration in this process -> its measurements."""
     import torch
+    from bench_engine import drafter_or_stand_in  # benchmarks/ (the script's own directory)
 
     from paradraft import kernels
     from paradraft.data.sources import read_humaneval
     from paradraft.data.template import encode_prompt
     from paradraft.decode.engine import Engine, GenerationConfig
-    from paradraft.models.checkpoint import build_drafter, load_drafter
-    from paradraft.models.common import DraftConfig
     from paradraft.verifier import load_verifier
 
     torch.set_grad_enabled(False)
@@ -73,16 +72,7 @@ def one(args) -> dict:
     model, tok = load_verifier("smollm2-135m", dtype=dtype)
     texts = [r["messages"][0]["content"] for r in list(read_humaneval())[: args.prompts]]
     prompts = [encode_prompt(tok, {"prompt": p}) for p in texts]
-    if args.drafter:
-        drafter = load_drafter(args.drafter, verifier=model, force=True).to(dtype)
-    else:
-        torch.manual_seed(0)
-        cfg = DraftConfig.from_verifier(model.config, algorithm="peagle", draft_vocab_size=8192, mask_token_id=16)
-        drafter = build_drafter(cfg)
-        d2t, t2d = torch.zeros(8192, dtype=torch.long), torch.zeros(model.config.vocab_size, dtype=torch.bool)
-        t2d[:8192] = True
-        drafter.init_from_verifier(model, d2t, t2d)
-        drafter = drafter.to(dtype)
+    drafter = drafter_or_stand_in(args.drafter, model, dtype)
     compiled = args.config == "compiled"
     plain, spec = Engine(model, compile=compiled), Engine(model, drafter, compile=compiled)
     g = GenerationConfig(max_new_tokens=args.max_new_tokens, num_speculative_tokens=3,

@@ -74,6 +74,11 @@ def test_the_rule_takes_the_kernel_only_where_measured_faster_and_never_for_trai
         q, k = linears([lin, nn.Linear(64, 32)], x)  # [1, 3, 96], [1, 3, 32]: one call, split
         assert q.shape == (1, 3, 96) and k.shape == (1, 3, 32)
         torch.testing.assert_close(q, lin(x), rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():  # a weight the kernel cannot read in place (a transposed view): the module
+        t = nn.Linear(64, 96)
+        t.weight = nn.Parameter(torch.randn(64, 96).T)
+        x = torch.randn(4, 64)
+        assert torch.equal(linear(t, x), t(x))
     x = torch.randn(4, 64)
     assert torch.equal(linear(lin, x), lin(x))  # autograd recording (training): the module's own bits
     with torch.no_grad():  # training's no-grad work (partitioning's context keys, validation): the module too

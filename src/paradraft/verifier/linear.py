@@ -79,8 +79,8 @@ def _plain(module: nn.Module, x: torch.Tensor) -> bool:
     replace. Training's own no-grad work (partitioning's context keys, validation) is no inference: it keeps the
     module's bits, whatever a kernel or a timing would pick."""
     w = getattr(module, "weight", None)
-    return (type(module) is nn.Linear and w.dtype == x.dtype and w.device.type == "cpu" and not module._forward_hooks
-            and not module._forward_pre_hooks and not torch.is_grad_enabled()
+    return (type(module) is nn.Linear and w.dtype == x.dtype and w.device.type == "cpu" and w.is_contiguous()
+            and not module._forward_hooks and not module._forward_pre_hooks and not torch.is_grad_enabled()
             # (compiled code is the engine's, traced in inference mode; dynamo cannot ask for the mode itself)
             and (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()))
 
@@ -97,9 +97,8 @@ def linears(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
     if not (all(_plain(m, x) for m in modules) and _kernel_rows(x, rows)):
         return [linear(m, x) for m in modules]
     y = kernels.small_linear(x.reshape(rows, -1).contiguous(), [m.weight for m in modules])  # [rows, sum out_i]
-    outs = y.split([m.weight.shape[0] for m in modules], dim=-1)
-    return [o.reshape(*x.shape[:-1], o.shape[-1]) if m.bias is None else o.reshape(*x.shape[:-1], o.shape[-1]) + m.bias
-            for m, o in zip(modules, outs)]
+    outs = [o.reshape(*x.shape[:-1], o.shape[-1]) for o in y.split([m.weight.shape[0] for m in modules], dim=-1)]
+    return [o if m.bias is None else o + m.bias for m, o in zip(modules, outs)]
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

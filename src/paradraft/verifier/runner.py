@@ -54,7 +54,8 @@ class VerifierRunner:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         if self.device.type == "cpu":
-            kernels.available()  # the CPU kernel is built (once per host) with the engine, not in its first step
+            kernels.available()  # the CPU kernel is built (once per host) with the engine, not in its first step, and
+            # before any compiled step traces a call to it
         self.max_len = max_len
         self._compiled = None  # (layers, head) compiled by compile()
         # layers per compiled group: ~10 (equal groups); one group's code serves every group
@@ -71,7 +72,6 @@ class VerifierRunner:
         to compile (BENCHMARKS.md, "The engine at the machine's limit"). Rows and keys in use are dynamic, so a run
         compiles once per kind of step (decoding, verifying K+1, one row or several); the first such step pays it
         (~25 s on 2 cores, ~4 s where inductor's on-disk cache already holds it), recorded in `compile_s`."""
-        kernels.available()  # built and loaded before tracing: the graphs call it
         self._compiled = (torch.compile(self._layers, dynamic=None), torch.compile(self._head, dynamic=None))
 
     def alloc(self, batch: int) -> None:
