@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from paradraft import kernels
-from paradraft.verifier.linear import KERNEL_ROWS, linear, linears
+from paradraft.verifier.linear import KERNEL_ROWS, TILE_ROWS, linear, linears, mlp
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason=f"no kernel here: {kernels.status()['why_not']}")
+needs_tiles = pytest.mark.skipif(not kernels.tiles_available(), reason="no AMX tiles here (or no kernel)")
 
 
 def _reference(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
@@ -119,3 +120,86 @@ def test_projection_through_the_rule_equals_torch_within_rounding():
         for rows in (1, 3, 8):
             x = torch.randn(rows, 128)
             torch.testing.assert_close(linear(lin, x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_tiles_refuses_what_tile_linear_cannot_read():
+    """None (the weights stay where they are) for another dtype, or shapes off the tile grid."""
+    assert kernels.pack_tiles(torch.randn(32, 64)) is None  # float32
+    assert kernels.pack_tiles(torch.randn(24, 64).bfloat16()) is None  # rows not a multiple of 16
+    assert kernels.pack_tiles(torch.randn(32, 48).bfloat16()) is None  # inner size not a multiple of 32
+
+
+@needs_tiles
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 16])
+def test_tile_linear_equals_the_product(rows):
+    """Weights packed in the AMX tile layout: an even and an odd number of 16-row blocks (pairs and the last
+    one alone), one and several weights side by side, inner sizes of 1 and several k pairs of slices."""
+    g = torch.Generator().manual_seed(rows)
+    for k, ns in ((576, [576, 192, 192]), (64, [48]), (1536, [576]), (32, [16, 32])):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        ws = [torch.randn(n, k, generator=g).bfloat16() for n in ns]
+        tiles = [kernels.pack_tiles(w) for w in ws]
+        assert all(t.shape == (w.shape[0] // 16, k // 32, 16, 32) for t, w in zip(tiles, ws))
+        y = kernels.tile_linear(x, tiles)
+        assert y.shape == (rows, sum(ns)) and y.dtype == torch.bfloat16
+        ref = _reference(x, ws)
+        assert (y.double() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item(), (k, ns)
+    with pytest.raises(RuntimeError, match="1..16 rows"):
+        kernels.tile_linear(torch.randn(17, 64).bfloat16(), [kernels.pack_tiles(torch.randn(16, 64).bfloat16())])
+
+
+@needs_tiles
+def test_the_rule_takes_packed_weights_for_verification_rows_only():
+    """linear()/linears()/mlp() with packed weights: tile_linear for TILE_ROWS bf16 rows in inference mode, the
+    kernel on the weights in place for one row, the module outside inference mode."""
+    from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP
+
+    torch.manual_seed(0)
+    m = nn.Linear(64, 96).bfloat16()
+    t = [kernels.pack_tiles(m.weight)]
+    lo, hi = TILE_ROWS
+    with torch.inference_mode():
+        for rows in (1, lo, hi, hi + 1):
+            x = torch.randn(rows, 64).bfloat16()
+            got = linear(m, x, t)
+            if lo <= rows <= hi:
+                assert torch.equal(got, kernels.tile_linear(x, t) + m.bias)
+            elif rows == 1:
+                assert torch.equal(got, kernels.small_linear(x, [m.weight]) + m.bias)
+            else:
+                assert torch.equal(got, m(x))
+        block = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=128)).bfloat16()
+        packed = ([kernels.pack_tiles(block.gate_proj.weight), kernels.pack_tiles(block.up_proj.weight)],
+                  [kernels.pack_tiles(block.down_proj.weight)])
+        x = torch.randn(1, 4, 64).bfloat16()
+        gate, up = (kernels.tile_linear(x[0], packed[0])).split([128, 128], -1)
+        want = kernels.tile_linear((block.act_fn(gate) * up).contiguous(), packed[1])
+        assert torch.equal(mlp(block, x, packed), want[None])
+    x = torch.randn(4, 64).bfloat16()
+    assert torch.equal(linear(m, x, t), m(x))  # autograd recording: the module's own bits
+
+
+@needs_tiles
+def test_the_runner_packs_the_verifiers_projections_and_verifies_with_them():
+    """A bf16 VerifierRunner holds every projection and the lm_head packed; a 4-token verification step through
+    them equals the same step on the weights in place (within bf16 rounding), and decoding one token does not
+    read them. A float32 runner packs nothing."""
+    from helpers import make_tiny_llama
+
+    from paradraft.verifier.runner import VerifierRunner
+
+    model = make_tiny_llama(layers=8).bfloat16()
+    packed = VerifierRunner(model, [1, 4, 6], max_len=64)
+    assert packed.head_tiles is not None and all(t[0] and t[1] and t[2][0] and t[2][1] for t in packed.tiles)
+    plain = VerifierRunner(model, [1, 4, 6], max_len=64)
+    plain.tiles, plain.head_tiles = [None] * plain.L, None
+    prompt, step = torch.randint(0, 400, (1, 9)), torch.randint(0, 400, (1, 4))
+    with torch.inference_mode():
+        outs = [(r.forward(prompt, last_only=True), r.forward(step[:, :1]), r.forward(step)) for r in (packed, plain)]
+    for a, b in zip(*outs):
+        for x, y in zip(a, b):  # (logits, aux)
+            torch.testing.assert_close(x.float(), y.float(), rtol=0.05, atol=0.05)
+    assert torch.equal(outs[0][0][0], outs[1][0][0])  # the prefill (many rows) never reads them
+    assert torch.equal(outs[0][1][0], outs[1][1][0])  # one token: the kernel on the weights in place
+    f32 = VerifierRunner(make_tiny_llama(layers=8), [1, 4, 6], max_len=64)
+    assert f32.head_tiles is None and f32.tiles == [None] * 8

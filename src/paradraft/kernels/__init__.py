@@ -14,6 +14,10 @@ changes. $PARADRAFT_KERNELS=off never builds or uses it (reproducing torch's pat
 
 `small_linear(x [M, K], weights) -> [M, sum N_i]`: x @ W_i^T for each weight [N_i, K], side by side, float32
 accumulation, rounded once to x's dtype (bfloat16 or float32), 1 <= M <= 64.
+`tile_linear(x [M, K], tiles) -> [M, sum N_i]`: the same for bfloat16 on hosts with AMX (`tiles_available`), each
+weight packed once by `pack_tiles` into the AMX tile layout (a copy: the runner keeps one per projection of the
+verifier); 1 <= M <= 16. It reads the weights for a 4-row verification step as fast as `small_linear` reads them
+for one row, where `small_linear` ran ~25% slower with 4 rows than with 1.
 """
 
 from __future__ import annotations
@@ -108,6 +112,10 @@ def _register_fake() -> None:
     def _(x, weights):
         return x.new_empty(x.shape[0], sum(w.shape[0] for w in weights))
 
+    @torch.library.register_fake("paradraft::tile_linear")
+    def _(x, tiles):
+        return x.new_empty(x.shape[0], sum(t.shape[0] * 16 for t in tiles))
+
     _STATE["fake"] = True
 
 
@@ -127,3 +135,26 @@ def status() -> dict:
 def small_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     """x [M, K] @ W_i^T for each weight W_i [N_i, K] -> [M, sum N_i] (see the module docstring)."""
     return torch.ops.paradraft.small_linear(x, weights)
+
+
+def tiles_available() -> bool:
+    """Whether `tile_linear` runs here (the kernel built with AMX, and the OS grants the tile state)."""
+    if "tiles" not in _STATE:
+        _STATE["tiles"] = available() and bool(torch.ops.paradraft.tiles_ready())
+    return _STATE["tiles"]
+
+
+def pack_tiles(w: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 weight [N, K] packed for `tile_linear`: [N/16, K/32, 16, 32], each 16 rows x 32 columns one
+    contiguous 1 KB tile (a copy). None where it cannot be: another dtype or device, N not a multiple of 16 or K of
+    32, or no tiles on this host."""
+    if (w.dim() != 2 or w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.shape[0] % 16 or w.shape[1] % 32
+            or not tiles_available()):
+        return None
+    N, K = w.shape
+    return w.detach().reshape(N // 16, 16, K // 32, 32).permute(0, 2, 1, 3).contiguous()
+
+
+def tile_linear(x: torch.Tensor, tiles: list[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] @ W_i^T for each weight packed by `pack_tiles` -> [M, sum N_i] (see the module docstring)."""
+    return torch.ops.paradraft.tile_linear(x, tiles)

@@ -42,12 +42,12 @@ class Adapter:
     def final_norm(self, model) -> torch.nn.Module:
         return model.model.norm
 
-    def logits(self, model, normed: torch.Tensor, small_m: bool = True) -> torch.Tensor:
+    def logits(self, model, normed: torch.Tensor, small_m: bool = True, tiles=None) -> torch.Tensor:
         """lm_head over final-normed states, with the output transforms configs declare: Granite's
         `logits_scaling` (divide) and Gemma's `final_logit_softcapping` (tanh cap). small_m: decoding's timed
         small-M rule (linear.py) may pick the product's path; False runs the module as it is (the same bits in
-        every process)."""
-        out = linear(model.lm_head, normed) if small_m else model.lm_head(normed)  # [..., V]
+        every process). tiles: the lm_head's weight packed by kernels.pack_tiles (the engine's runner), or None."""
+        out = linear(model.lm_head, normed, tiles) if small_m else model.lm_head(normed)  # [..., V]
         scale = getattr(model.config, "logits_scaling", None)
         if scale:
             out = out / scale

@@ -2,6 +2,9 @@
 weight matrix, a decoding step one.
 
 THE rule of which path a CPU projection takes at inference (`linear`, `linears`):
+- where the caller holds the weights packed in the AMX tile layout (the engine's runner packs the verifier's on AMX
+  hosts, kernels.pack_tiles), 2..16 bfloat16 rows take `tile_linear` on them: a verification step's rows then read
+  the weights as fast as one row does;
 - paradraft's kernel (kernels/, AVX-512 hosts) for 1..16 rows in bfloat16 and 2..16 rows in float32, measured
   faster than torch's path there (BENCHMARKS.md, "The engine at the machine's limit"; beyond 16 rows torch's
   path, AMX through oneDNN, is faster). One float32 row stays on torch's path (as fast there): an eager decoding
@@ -72,6 +75,8 @@ def _measure(w: torch.Tensor, rows: int, repeats: int = 5, cold_bytes: int = 64 
 
 
 KERNEL_ROWS = {torch.bfloat16: (1, 16), torch.float32: (2, 16)}  # rows the kernel takes, per dtype (see above)
+TILE_ROWS = (2, 16)  # bfloat16 rows that take tile-packed weights where the caller has them (one row: the kernel,
+# as fast on the weights in place)
 
 
 def _plain(module: nn.Module, x: torch.Tensor) -> bool:
@@ -90,25 +95,36 @@ def _kernel_rows(x: torch.Tensor, rows: int) -> bool:
     return lo <= rows <= hi and kernels.available()
 
 
-def linears(modules: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+def _tile_rows(x: torch.Tensor, rows: int, tiles) -> bool:
+    return tiles is not None and x.dtype == torch.bfloat16 and TILE_ROWS[0] <= rows <= TILE_ROWS[1]
+
+
+def linears(modules: list[nn.Module], x: torch.Tensor, tiles: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """[m(x) for m in modules] for projections of the same input x [..., in] (q|k|v, gate|up): one kernel call over
-    all their weights where the kernel takes them, each output [..., out_i]."""
+    all their weights where a kernel takes them, each output [..., out_i]. `tiles`: the modules' weights packed by
+    kernels.pack_tiles, in the same order (None: not packed)."""
     rows = x.numel() // max(1, x.shape[-1])
-    if not (all(_plain(m, x) for m in modules) and _kernel_rows(x, rows)):
+    if not all(_plain(m, x) for m in modules):
         return [linear(m, x) for m in modules]
-    y = kernels.small_linear(x.reshape(rows, -1).contiguous(), [m.weight for m in modules])  # [rows, sum out_i]
+    if _tile_rows(x, rows, tiles):
+        y = kernels.tile_linear(x.reshape(rows, -1).contiguous(), tiles)  # [rows, sum out_i]
+    elif _kernel_rows(x, rows):
+        y = kernels.small_linear(x.reshape(rows, -1).contiguous(), [m.weight for m in modules])  # [rows, sum out_i]
+    else:
+        return [linear(m, x) for m in modules]
     outs = [o.reshape(*x.shape[:-1], o.shape[-1]) for o in y.split([m.weight.shape[0] for m in modules], dim=-1)]
     return [o if m.bias is None else o + m.bias for m, o in zip(modules, outs)]
 
 
-def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """module(x) for a projection: x [..., in] -> [..., out], by the rule above."""
+def linear(module: nn.Module, x: torch.Tensor, tiles: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """module(x) for a projection: x [..., in] -> [..., out], by the rule above (`tiles`: its weight packed by
+    kernels.pack_tiles, a one-element list, or None)."""
     w = getattr(module, "weight", None)
     rows = x.numel() // max(1, x.shape[-1])
     if not _plain(module, x):
         return module(x)
-    if _kernel_rows(x, rows):
-        return linears([module], x)[0]
+    if _tile_rows(x, rows, tiles) or _kernel_rows(x, rows):
+        return linears([module], x, tiles)[0]
     if (x.dtype != torch.float32 or not 2 <= rows <= 16 or torch.compiler.is_compiling()  # no timing in a graph
             or not transposed_faster(w, rows)):
         return module(x)
@@ -120,10 +136,11 @@ def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
 
 
-def mlp(block: nn.Module, x: torch.Tensor):
+def mlp(block: nn.Module, x: torch.Tensor, tiles=None):
     """A decoder layer's MLP: the gated MLPs of GATED_MLPS through `linear`; any other block (experts with a
-    router) runs as it is, and may return router scores too."""
+    router) runs as it is, and may return router scores too. `tiles`: (gate|up, down) packed, or None."""
     if type(block).__name__ not in GATED_MLPS or block._forward_hooks or block._forward_pre_hooks:
         return block(x)
-    gate, up = linears([block.gate_proj, block.up_proj], x)
-    return linear(block.down_proj, block.act_fn(gate) * up)
+    gate_up, down = tiles or (None, None)
+    gate, up = linears([block.gate_proj, block.up_proj], x, gate_up)
+    return linear(block.down_proj, block.act_fn(gate) * up, down)

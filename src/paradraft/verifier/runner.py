@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from .adapters import adapter_for
-from .linear import linear, linears, mlp
+from .linear import GATED_MLPS, linear, linears, mlp
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -56,6 +56,7 @@ class VerifierRunner:
         if self.device.type == "cpu":
             kernels.available()  # the CPU kernel is built (once per host) with the engine, not in its first step, and
             # before any compiled step traces a call to it
+        self.tiles, self.head_tiles = self._pack_tiles()
         self.max_len = max_len
         self._compiled = None  # (layers, head) compiled by compile()
         # layers per compiled group: ~10 (equal groups); one group's code serves every group
@@ -73,6 +74,30 @@ class VerifierRunner:
         compiles once per kind of step (decoding, verifying K+1, one row or several); the first such step pays it
         (~25 s on 2 cores, ~4 s where inductor's on-disk cache already holds it), recorded in `compile_s`."""
         self._compiled = (torch.compile(self._layers, dynamic=None), torch.compile(self._head, dynamic=None))
+
+    def _pack_tiles(self):
+        """The projections' weights packed in the AMX tile layout (kernels.pack_tiles), for the verification steps'
+        2..16 bf16 rows (verifier/linear.py): per layer (q|k|v, o, gate|up, down) or None, and the lm_head's; all
+        None off AMX hosts, in other dtypes, or where a family's modules are not the plain projections the rule
+        takes. A copy of those weights (+269 MB for the embedded verifier in bf16), made once per runner: the
+        verifier's weights must not change under a runner."""
+        if self.dtype != torch.bfloat16 or self.device.type != "cpu" or not kernels.tiles_available():
+            return [None] * self.L, None
+
+        def pack(modules):
+            tiles = [kernels.pack_tiles(m.weight) if type(m) is torch.nn.Linear else None for m in modules]
+            return None if any(t is None for t in tiles) else tiles
+
+        layers = []
+        for layer in self.inner.layers:
+            attn, m = layer.self_attn, layer.mlp
+            qkv, o = pack([attn.q_proj, attn.k_proj, attn.v_proj]), pack([attn.o_proj])
+            ffn = None
+            if type(m).__name__ in GATED_MLPS:
+                ffn = (pack([m.gate_proj, m.up_proj]), pack([m.down_proj]))
+            layers.append((qkv, o, ffn))
+        head = getattr(self.model, "lm_head", None)
+        return layers, (pack([head]) if isinstance(head, torch.nn.Linear) else None)
 
     def alloc(self, batch: int) -> None:
         """(Re)allocate empty caches for `batch` rows."""
@@ -146,30 +171,32 @@ class VerifierRunner:
         g = self.group
         for i0 in range(0, self.L, g):
             hs = layer(self.inner.layers[i0:i0 + g], h, cos, sin, pos, rows, ridx, key_pos, causal, ks[i0:i0 + g],
-                       vs[i0:i0 + g], all_rows)
+                       vs[i0:i0 + g], all_rows, self.tiles[i0:i0 + g])
             auxes += [(i0 + j, x) for j, x in enumerate(hs[:-1]) if i0 + j in self.aux]
             h = hs[-1]
-        logits = head(h[:, -1:] if last_only else h)
+        logits = head(h[:, -1:] if last_only else h, self.head_tiles)
         aux = torch.cat([dict(auxes)[i] for i in self.aux], dim=-1) if self.aux else h.new_zeros(*h.shape[:2], 0)
         return logits, aux
 
-    def _head(self, h):
-        """Final norm and logits: h [B', m, H] -> [B', m, V] float32."""
-        return self.adapter.logits(self.model, self.adapter.final_norm(self.model)(h)).float()
+    def _head(self, h, tiles=None):
+        """Final norm and logits: h [B', m, H] -> [B', m, V] float32 (tiles: the lm_head's packed weight)."""
+        return self.adapter.logits(self.model, self.adapter.final_norm(self.model)(h), tiles=tiles).float()
 
-    def _layers(self, blocks, h, cos, sin, pos, rows, ridx, key_pos, causal, kcs, vcs, all_rows: bool):
+    def _layers(self, blocks, h, cos, sin, pos, rows, ridx, key_pos, causal, kcs, vcs, all_rows: bool, tiles):
         """Consecutive decoder layers -> the input of each, then the last output ([B', n, H] each)."""
         hs = [h]
-        for block, kc, vc in zip(blocks, kcs, vcs):
-            hs.append(self._layer(block, hs[-1], cos, sin, pos, rows, ridx, key_pos, causal, kc, vc, all_rows))
+        for block, kc, vc, t in zip(blocks, kcs, vcs, tiles):
+            hs.append(self._layer(block, hs[-1], cos, sin, pos, rows, ridx, key_pos, causal, kc, vc, all_rows, t))
         return hs
 
-    def _layer(self, layer, h, cos, sin, pos, rows, ridx, key_pos, causal, kc, vc, all_rows: bool):
-        """One decoder layer: h [B', n, H] -> [B', n, H]; writes its keys/values into kc/vc [B, KVH, S_max, D]."""
+    def _layer(self, layer, h, cos, sin, pos, rows, ridx, key_pos, causal, kc, vc, all_rows: bool, tiles=None):
+        """One decoder layer: h [B', n, H] -> [B', n, H]; writes its keys/values into kc/vc [B, KVH, S_max, D].
+        tiles: its projections' packed weights (q|k|v, o, (gate|up, down)) from _pack_tiles, or None."""
         Bq, n = h.shape[:2]
+        t_qkv, t_o, t_ffn = tiles or (None, None, None)
         x = layer.input_layernorm(h)
         attn = layer.self_attn
-        q, k, v = linears([attn.q_proj, attn.k_proj, attn.v_proj], x)  # one kernel call where it applies
+        q, k, v = linears([attn.q_proj, attn.k_proj, attn.v_proj], x, t_qkv)  # one kernel call where it applies
         q = q.view(Bq, n, self.nh, self.hd)
         k = k.view(Bq, n, self.nkv, self.hd)
         v = v.view(Bq, n, self.nkv, self.hd)
@@ -187,8 +214,8 @@ class VerifierRunner:
         if window:  # a key is visible only within the window: kv > q - window
             mask = causal & (key_pos > pos[:, :, None] - window)[:, None]
         o = self._attend(q.transpose(1, 2), kk, vv, mask, attn.scaling, getattr(attn, "sinks", None))
-        h = h + linear(attn.o_proj, o.transpose(1, 2).reshape(Bq, n, self.nh * self.hd))
-        m = mlp(layer.mlp, layer.post_attention_layernorm(h))
+        h = h + linear(attn.o_proj, o.transpose(1, 2).reshape(Bq, n, self.nh * self.hd), t_o)
+        m = mlp(layer.mlp, layer.post_attention_layernorm(h), t_ffn)
         return h + (m[0] if isinstance(m, tuple) else m)  # MoE blocks may also return router scores
 
     def _attend(self, q, k, v, mask, scale, sinks=None):
@@ -236,6 +263,30 @@ class GenericRunner:
         self.device = next(model.parameters()).device
         self.max_len = max_len
         self.alloc(max_batch)
+
+    def _pack_tiles(self):
+        """The projections' weights packed in the AMX tile layout (kernels.pack_tiles), for the verification steps'
+        2..16 bf16 rows (verifier/linear.py): per layer (q|k|v, o, gate|up, down) or None, and the lm_head's; all
+        None off AMX hosts, in other dtypes, or where a family's modules are not the plain projections the rule
+        takes. A copy of those weights (+269 MB for the embedded verifier in bf16), made once per runner: the
+        verifier's weights must not change under a runner."""
+        if self.dtype != torch.bfloat16 or self.device.type != "cpu" or not kernels.tiles_available():
+            return [None] * self.L, None
+
+        def pack(modules):
+            tiles = [kernels.pack_tiles(m.weight) if type(m) is torch.nn.Linear else None for m in modules]
+            return None if any(t is None for t in tiles) else tiles
+
+        layers = []
+        for layer in self.inner.layers:
+            attn, m = layer.self_attn, layer.mlp
+            qkv, o = pack([attn.q_proj, attn.k_proj, attn.v_proj]), pack([attn.o_proj])
+            ffn = None
+            if type(m).__name__ in GATED_MLPS:
+                ffn = (pack([m.gate_proj, m.up_proj]), pack([m.down_proj]))
+            layers.append((qkv, o, ffn))
+        head = getattr(self.model, "lm_head", None)
+        return layers, (pack([head]) if isinstance(head, torch.nn.Linear) else None)
 
     def alloc(self, batch: int) -> None:
         from transformers import DynamicCache
