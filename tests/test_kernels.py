@@ -203,3 +203,48 @@ def test_the_runner_packs_the_verifiers_projections_and_verifies_with_them():
     assert torch.equal(outs[0][1][0], outs[1][1][0])  # one token: the kernel on the weights in place
     f32 = VerifierRunner(make_tiny_llama(layers=8), [1, 4, 6], max_len=64)
     assert f32.head_tiles is None and f32.tiles == [None] * 8
+
+
+def _attention_reference(q, kc, vc, rows, pos, scale, window=0, sinks=None):
+    """float64 softmax attention of q [B', n, H, D] over each row's visible cached keys -> [B', n, H, D]."""
+    Bq, n, H, D = q.shape
+    G = H // kc.shape[1]
+    out = torch.zeros(Bq, n, H, D, dtype=torch.float64)
+    for b in range(Bq):
+        for i in range(n):
+            p = int(pos[b, i])
+            lo = max(0, p - window + 1) if window else 0
+            for h in range(H):
+                k = kc[rows[b], h // G, lo:p + 1].double()  # [S, D]
+                s = (k @ q[b, i, h].double()) * scale  # [S]
+                if sinks is not None:
+                    s = torch.cat([s, sinks[h:h + 1].double()])
+                w = torch.softmax(s, 0)[:k.shape[0]]
+                out[b, i, h] = w @ vc[rows[b], h // G, lo:p + 1].double()
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_equals_softmax_attention(dtype):
+    """Rows of the cache in any order and a subset, 1 and several queries (a verification step's causal
+    positions), heads sharing kv heads, key counts off the blocks of 4 and 16, a window, sinks."""
+    g = torch.Generator().manual_seed(0)
+    B, KVH, S_max, D, H = 3, 2, 70, 32, 6
+    kc = torch.randn(B, KVH, S_max, D, generator=g).to(dtype)
+    vc = torch.randn(B, KVH, S_max, D, generator=g).to(dtype)
+    for n, rows, starts, window, sinks in ((1, [0, 1, 2], [0, 5, 66], 0, None), (4, [2, 0], [17, 33], 0, None),
+                                           (3, [1], [40], 9, None), (5, [0, 2], [3, 50], 0, torch.randn(H, generator=g)),
+                                           (16, [1], [51], 0, None)):
+        q = torch.randn(len(rows), n, H, D, generator=g).to(dtype)
+        pos = torch.tensor(starts)[:, None] + torch.arange(n)[None]  # [B', n]
+        r = torch.tensor(rows)
+        got = kernels.decode_attention(q, kc, vc, r, pos, 0.125, window, sinks)
+        assert got.shape == q.shape and got.dtype == dtype
+        want = _attention_reference(q, kc, vc, r, pos, 0.125, window, sinks)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output rounded once
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        kernels.decode_attention(q, kc, vc, r, pos + S_max, 0.125)
+    with pytest.raises(RuntimeError, match="1..16 queries"):
+        kernels.decode_attention(torch.zeros(1, 17, H, D, dtype=dtype), kc, vc, r, torch.zeros(1, 17), 0.125)

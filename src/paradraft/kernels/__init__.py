@@ -14,6 +14,8 @@ changes. $PARADRAFT_KERNELS=off never builds or uses it (reproducing torch's pat
 
 `small_linear(x [M, K], weights) -> [M, sum N_i]`: x @ W_i^T for each weight [N_i, K], side by side, float32
 accumulation, rounded once to x's dtype (bfloat16 or float32), 1 <= M <= 64.
+`decode_attention(q, kc, vc, rows, pos, ...)`: the attention of 1..16 queries per row against the runner's
+cache, float32 inside (see its docstring).
 `tile_linear(x [M, K], tiles) -> [M, sum N_i]`: the same for bfloat16 on hosts with AMX (`tiles_available`), each
 weight packed once by `pack_tiles` into the AMX tile layout (a copy: the runner keeps one per projection of the
 verifier); 1 <= M <= 16. It reads the weights for a 4-row verification step as fast as `small_linear` reads them
@@ -116,6 +118,10 @@ def _register_fake() -> None:
     def _(x, tiles):
         return x.new_empty(x.shape[0], sum(t.shape[0] * 16 for t in tiles))
 
+    @torch.library.register_fake("paradraft::decode_attention")
+    def _(q, kc, vc, rows, pos, window, scale, sinks):
+        return torch.empty_like(q)
+
     _STATE["fake"] = True
 
 
@@ -158,3 +164,19 @@ def pack_tiles(w: torch.Tensor) -> torch.Tensor | None:
 def tile_linear(x: torch.Tensor, tiles: list[torch.Tensor]) -> torch.Tensor:
     """x [M, K] @ W_i^T for each weight packed by `pack_tiles` -> [M, sum N_i] (see the module docstring)."""
     return torch.ops.paradraft.tile_linear(x, tiles)
+
+
+ATTENTION_QUERIES = 16  # the most queries per row decode_attention takes
+
+
+def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                     scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention of a decoding or verification step on the cache as it is: q [B', n, H, D] (rotated),
+    caches kc / vc [B, KVH, S_max, D] holding this step's keys and values, rows [B'] (each query row's cache row),
+    pos [B', n] (each query's position: key j is visible when j <= pos, and j > pos - window with a window),
+    sinks [H] (a logit per head in the softmax's denominator) -> [B', n, H, D] in q's dtype. Scores, softmax
+    and the weighted sum in float32, one (row, head) per task over torch's threads; 1 <= n <= ATTENTION_QUERIES,
+    D a multiple of 16, bfloat16 or float32."""
+    empty = q.new_empty(0, dtype=torch.float32)
+    return torch.ops.paradraft.decode_attention(q, kc, vc, rows, pos, int(window), float(scale),
+                                                empty if sinks is None else sinks)
