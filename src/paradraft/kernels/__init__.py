@@ -151,14 +151,16 @@ def tiles_available() -> bool:
 
 
 def pack_tiles(w: torch.Tensor) -> torch.Tensor | None:
-    """A bfloat16 weight [N, K] packed for `tile_linear`: [N/16, K/32, 16, 32], each 16 rows x 32 columns one
-    contiguous 1 KB tile (a copy). None where it cannot be: another dtype or device, N not a multiple of 16 or K of
-    32, or no tiles on this host."""
+    """A bfloat16 weight [N, K] packed for `tile_linear`: [N/16, K/32, 16, 32], for each 16 outputs and 32 k one
+    contiguous 1 KB AMX tile in its pair layout, [k pair p, output i, 2] = w[i, 2p:2p+2] (a copy). None where it
+    cannot be: another dtype or device, N not a multiple of 16 or K of 32, or no tiles on this host."""
     if (w.dim() != 2 or w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.shape[0] % 16 or w.shape[1] % 32
             or not tiles_available()):
         return None
     N, K = w.shape
-    return w.detach().reshape(N // 16, 16, K // 32, 32).permute(0, 2, 1, 3).contiguous()
+    # [N/16, i, K/32, p, e] -> [N/16, K/32, p, i, e]
+    tiles = w.detach().reshape(N // 16, 16, K // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    return tiles.reshape(N // 16, K // 32, 16, 32)
 
 
 def tile_linear(x: torch.Tensor, tiles: list[torch.Tensor]) -> torch.Tensor:

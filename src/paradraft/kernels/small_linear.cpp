@@ -202,22 +202,31 @@ void run_amx(const c10::BFloat16* x, int64_t M, int64_t K, const std::vector<at:
 }
 
 // ---- tile-packed weights: tile_linear
-// A weight [N, K] packed once as [N/16, K/32, 16, 32] (pack_tiles in kernels/__init__.py): each AMX A tile (16
-// weight rows x 32 k) is 1 KB of contiguous memory, read as one stream. Two blocks of 16 rows go side by side, each
-// k step loading two k slices (tiles 2-5: A, 6-7: B, 0-1: C), so the loads of the next slices are in flight while
-// the products of these run: reading weights in place (amx_block) stalled on its strided tile loads, and one
-// accumulator chained every product after the last. On the host of BENCHMARKS.md a 4-row verification step's
-// projections then cost what a 1-row step's cost (64 against 62 us for q|k|v; 2.55 against 2.48 ms for the
-// lm_head), where the VDPBF16PS blocks took 86 us and 3.4 ms.
+// A weight [N, K] packed once (pack_tiles in kernels/__init__.py) as [N/16, K/32, 16, 32]: for each 16 outputs and
+// 32 k, one AMX B tile in its pair layout (row p: outputs i = 0..15 of k 2p, 2p+1 side by side), 1 KB of
+// contiguous memory read as one stream. x is the A operand, read in place (M rows of 32 k); C is [M, 16 outputs],
+// so each row's 16 outputs are rounded and stored as one vector. Tiles alternate with the parity of the k slice,
+// so the loads of the next slice are in flight while the products of this one run: reading weights in place as A
+// (amx_block) stalled on its strided tile loads, and one accumulator chained every product after the last. On the
+// host of BENCHMARKS.md a 4-row verification step's projections then cost what a 1-row step's cost.
 constexpr int64_t TILE_PREFETCH = 4 * 1024;  // bytes ahead of the slices being read (measured: 4 KB > 0, 8, 16 KB)
 
-// blocks `nblk` (1 or 2) of packed weight p (each 16 * K bf16) against packed x -> out columns col0 ...
-inline void tile_blocks(const c10::BFloat16* p, int nblk, int64_t K, const c10::BFloat16* xpack, int64_t M,
+// C tile -> rows [m0, m0 + rows) of out, columns col0..col0+15, rounded once
+inline void store_rows(int tile_is_1, int64_t rows, c10::BFloat16* out, int64_t N, int64_t m0, int64_t col0) {
+  alignas(64) float c[16 * 16];
+  if (tile_is_1) _tile_stored(1, c, 64); else _tile_stored(0, c, 64);
+  for (int64_t m = 0; m < rows; ++m)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + m) * N + col0),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + m * 16)));
+}
+
+// up to 16 x rows: blocks `nblk` (1 or 2, each 16 outputs) of packed weight p. Tiles: C 0-1 (per block), A 2-3
+// (x, by k parity), B 4-7 (block a even/odd, block b even/odd)
+inline void tile_blocks(const c10::BFloat16* p, int nblk, int64_t K, const c10::BFloat16* x, int64_t M,
                         c10::BFloat16* out, int64_t N, int64_t col0) {
-  const c10::BFloat16* pa = p;
-  const c10::BFloat16* pb = p + (nblk == 2 ? 16 * K : 0);
+  const c10::BFloat16* pb = p + 16 * K;
   const char* ahead = reinterpret_cast<const char*>(p) + TILE_PREFETCH;
-  const int64_t T = K / 32, blk_bytes = 16 * K * 2;
+  const int64_t T = K / 32, blk_bytes = 16 * K * 2, lda = K * 2;
   _tile_zero(0);
   _tile_zero(1);
   int64_t t = 0;
@@ -226,44 +235,74 @@ inline void tile_blocks(const c10::BFloat16* p, int nblk, int64_t K, const c10::
       _mm_prefetch(ahead + t * 1024 + l * 64, _MM_HINT_T0);
       if (nblk == 2) _mm_prefetch(ahead + blk_bytes + t * 1024 + l * 64, _MM_HINT_T0);
     }
-    _tile_loadd(6, xpack + t * 16 * M * 2, M * 4);
-    _tile_loadd(7, xpack + (t + 1) * 16 * M * 2, M * 4);
-    _tile_loadd(2, pa + t * 512, 64);
-    _tile_loadd(4, pa + (t + 1) * 512, 64);
-    _tile_dpbf16ps(0, 2, 6);
+    _tile_loadd(2, x + t * 32, lda);
+    _tile_loadd(3, x + (t + 1) * 32, lda);
+    _tile_loadd(4, p + t * 512, 64);
+    _tile_loadd(5, p + (t + 1) * 512, 64);
+    _tile_dpbf16ps(0, 2, 4);
     if (nblk == 2) {
-      _tile_loadd(3, pb + t * 512, 64);
-      _tile_loadd(5, pb + (t + 1) * 512, 64);
-      _tile_dpbf16ps(1, 3, 6);
-      _tile_dpbf16ps(1, 5, 7);
+      _tile_loadd(6, pb + t * 512, 64);
+      _tile_loadd(7, pb + (t + 1) * 512, 64);
+      _tile_dpbf16ps(1, 2, 6);
+      _tile_dpbf16ps(1, 3, 7);
     }
-    _tile_dpbf16ps(0, 4, 7);
+    _tile_dpbf16ps(0, 3, 5);
   }
   for (; t < T; ++t) {
-    _tile_loadd(6, xpack + t * 16 * M * 2, M * 4);
-    _tile_loadd(2, pa + t * 512, 64);
-    _tile_dpbf16ps(0, 2, 6);
+    _tile_loadd(2, x + t * 32, lda);
+    _tile_loadd(4, p + t * 512, 64);
+    _tile_dpbf16ps(0, 2, 4);
     if (nblk == 2) {
-      _tile_loadd(3, pb + t * 512, 64);
-      _tile_dpbf16ps(1, 3, 6);
+      _tile_loadd(6, pb + t * 512, 64);
+      _tile_dpbf16ps(1, 2, 6);
     }
   }
-  alignas(64) float c[16 * 16];
-  for (int b = 0; b < nblk; ++b) {
-    if (b == 0) _tile_stored(0, c, M * 4); else _tile_stored(1, c, M * 4);
-    for (int i = 0; i < 16; ++i)
-      for (int64_t m = 0; m < M; ++m) out[m * N + col0 + b * 16 + i] = c10::BFloat16(c[i * M + m]);  // rounded once
+  for (int b = 0; b < nblk; ++b) store_rows(b, M, out, N, 0, col0 + 16 * b);
+}
+
+// 17..32 x rows: one block against two groups of x rows (16 and M - 16). Tiles: C 0-1 (per group), A 2-3 (groups,
+// even k) and 5-6 (odd k), B 4 (even) and 7 (odd)
+inline void tile_block_wide(const c10::BFloat16* p, int64_t K, const c10::BFloat16* x, int64_t M,
+                            c10::BFloat16* out, int64_t N, int64_t col0) {
+  const char* ahead = reinterpret_cast<const char*>(p) + TILE_PREFETCH;
+  const c10::BFloat16* x1 = x + 16 * K;
+  const int64_t T = K / 32, lda = K * 2;
+  _tile_zero(0);
+  _tile_zero(1);
+  int64_t t = 0;
+  for (; t + 2 <= T; t += 2) {
+    for (int l = 0; l < 32; ++l) _mm_prefetch(ahead + t * 1024 + l * 64, _MM_HINT_T0);
+    _tile_loadd(4, p + t * 512, 64);
+    _tile_loadd(2, x + t * 32, lda);
+    _tile_loadd(3, x1 + t * 32, lda);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 3, 4);
+    _tile_loadd(7, p + (t + 1) * 512, 64);
+    _tile_loadd(5, x + (t + 1) * 32, lda);
+    _tile_loadd(6, x1 + (t + 1) * 32, lda);
+    _tile_dpbf16ps(0, 5, 7);
+    _tile_dpbf16ps(1, 6, 7);
   }
+  for (; t < T; ++t) {
+    _tile_loadd(4, p + t * 512, 64);
+    _tile_loadd(2, x + t * 32, lda);
+    _tile_loadd(3, x1 + t * 32, lda);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 3, 4);
+  }
+  store_rows(0, 16, out, N, 0, col0);
+  store_rows(1, M - 16, out, N, 16, col0);
 }
 
 at::Tensor tile_linear(const at::Tensor& x, at::TensorList tiles) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
               "tile_linear: x must be a contiguous bfloat16 CPU [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(M >= 1 && M <= 16 && K % 32 == 0, "tile_linear: 1..16 rows and K a multiple of 32");
+  TORCH_CHECK(M >= 1 && M <= 32 && K % 32 == 0, "tile_linear: 1..32 rows and K a multiple of 32");
   TORCH_CHECK(amx_permitted(), "tile_linear: the OS did not grant the AMX tile state");
+  const bool wide = M > 16;
   std::vector<const c10::BFloat16*> base;
-  std::vector<int64_t> unit0, col0, nblocks;  // per weight: first unit, first output column, blocks of 16 rows
+  std::vector<int64_t> unit0, col0, nblocks;  // per weight: first unit, first output column, blocks of 16 outputs
   int64_t units = 0, N = 0;
   for (const auto& p : tiles) {
     TORCH_CHECK(p.dim() == 4 && p.size(1) * 32 == K && p.size(2) == 16 && p.size(3) == 32 && p.is_contiguous() &&
@@ -272,28 +311,32 @@ at::Tensor tile_linear(const at::Tensor& x, at::TensorList tiles) {
     unit0.push_back(units);
     col0.push_back(N);
     nblocks.push_back(p.size(0));
-    units += (p.size(0) + 1) / 2;  // a unit is 2 blocks (the last of an odd count: 1)
+    units += wide ? p.size(0) : (p.size(0) + 1) / 2;  // a unit: 2 blocks (the last of an odd count: 1); 1 when wide
     N += p.size(0) * 16;
   }
   unit0.push_back(units);
   at::Tensor y = at::empty({M, N}, x.options());
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  std::vector<c10::BFloat16> xpack(K * M);  // [K/2, M, 2]: x[m, 2p + e] at (p * M + m) * 2 + e
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xpack[((k / 2) * M + m) * 2 + (k & 1)] = xp[m * K + k];
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   at::parallel_for(0, units, 2, [&](int64_t u0, int64_t u1) {
     TileConfig cfg;
-    for (int t = 0; t < 2; ++t) cfg.rows[t] = 16, cfg.colsb[t] = M * 4;    // C: 16 outputs x M float32
-    for (int t = 2; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;       // A: 16 weight rows x 32 bf16
-    for (int t = 6; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = M * 4;    // B: 16 k pairs x M x 2 bf16
+    const int a_rows = wide ? 16 : (int)M;
+    for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // B: 16 k pairs x 16 outputs x 2
+    cfg.rows[0] = cfg.rows[2] = a_rows;                                 // C and A of the first (or only) x rows
+    cfg.rows[1] = cfg.rows[3] = wide ? (int)(M - 16) : a_rows;          // C of the second block, or of rows 16..
+    if (wide) cfg.rows[5] = 16, cfg.rows[6] = (int)(M - 16);
+    else cfg.rows[3] = a_rows;
     _tile_loadconfig(&cfg);
     size_t i = 0;
     for (int64_t u = u0; u < u1; ++u) {
       while (unit0[i + 1] <= u) ++i;
-      const int64_t b = 2 * (u - unit0[i]);  // first block of this unit in weight i
-      const int nblk = b + 1 < nblocks[i] ? 2 : 1;
-      tile_blocks(base[i] + b * 16 * K, nblk, K, xpack.data(), M, yp, N, col0[i] + b * 16);
+      if (wide) {
+        const int64_t b = u - unit0[i];
+        tile_block_wide(base[i] + b * 16 * K, K, xp, M, yp, N, col0[i] + b * 16);
+      } else {
+        const int64_t b = 2 * (u - unit0[i]);  // first block of this unit in weight i
+        tile_blocks(base[i] + b * 16 * K, b + 1 < nblocks[i] ? 2 : 1, K, xp, M, yp, N, col0[i] + b * 16);
+      }
     }
     _tile_release();
   });

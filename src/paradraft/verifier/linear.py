@@ -75,7 +75,7 @@ def _measure(w: torch.Tensor, rows: int, repeats: int = 5, cold_bytes: int = 64 
 
 
 KERNEL_ROWS = {torch.bfloat16: (1, 16), torch.float32: (2, 16)}  # rows the kernel takes, per dtype (see above)
-TILE_ROWS = (2, 16)  # bfloat16 rows that take tile-packed weights where the caller has them (one row: the kernel,
+TILE_ROWS = (2, 32)  # bfloat16 rows that take tile-packed weights where the caller has them (one row: the kernel,
 # as fast on the weights in place)
 
 
