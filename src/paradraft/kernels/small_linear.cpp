@@ -467,109 +467,129 @@ inline void to_float(const T* src, float* dst, int64_t D) {  // D a multiple of 
   for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
 }
 
-// one (row, head): n queries qf [n, D] (float32), keys/values k, v [S_max, D] of its kv head (row stride D),
-// visible keys [lo[i], hi[i]] per query -> out [n, D] (row stride ldo) in T
+// one (row, kv head): R query rows qf [R, D] (float32: the group's heads x the step's queries) against the kv
+// head's keys and values k, v [S_max, D] (row stride D), query r seeing keys [lo[r], hi[r]] and writing out[r]
+// (D values in T), sink[r] its head's sink logit (or none). Keys and values are read and converted once for every
+// query of the group.
 template <typename T>
-void attend_one(const float* qf, int64_t n, int64_t D, const T* k, const T* v, const int64_t* lo, const int64_t* hi,
-                float scale, const float* sink, T* out, int64_t ldo, std::vector<float>& buf) {
+void attend_group(const float* qf, int64_t R, int64_t D, const T* k, const T* v, const int64_t* lo,
+                  const int64_t* hi, float scale, const float* sink, T* const* out, std::vector<float>& buf) {
   int64_t j0 = lo[0], S = hi[0] + 1;
-  for (int64_t i = 1; i < n; ++i) j0 = std::min(j0, lo[i]), S = std::max(S, hi[i] + 1);
+  for (int64_t r = 1; r < R; ++r) j0 = std::min(j0, lo[r]), S = std::max(S, hi[r] + 1);
   const int64_t W = S - j0;  // keys any query sees
-  buf.resize(n * W + 4 * D + D);
-  float* s = buf.data();  // [n, W] scores, then probabilities
-  float* kf = s + n * W;  // [4, D] a block of keys in float32
+  constexpr int64_t CH = 64;  // keys per chunk of converted values
+  buf.resize(R * W + 4 * D + CH * D + R * D);
+  float* s = buf.data();       // [R, W] scores, then probabilities
+  float* kf = s + R * W;       // [4, D] a block of keys in float32
+  float* vf = kf + 4 * D;      // [CH, D] a chunk of values in float32
+  float* of = vf + CH * D;     // [R, D] outputs in float32
   // scores: 4 keys at a time against every query (their lane sums by a tree of adds)
   int64_t j = j0;
+  const int64_t row_bytes = D * sizeof(T);
   for (; j + 4 <= S; j += 4) {
+    // the keys 16 ahead, and these keys' values (read after the softmax): the hardware prefetcher alone left a
+    // batch of 32 rows reading the cache at ~9 GB/s
+    for (int64_t x = 0; x < 4 * row_bytes; x += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(k + (j + 16) * D) + x, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v + j * D) + x, _MM_HINT_T1);
+    }
     for (int jj = 0; jj < 4; ++jj) to_float(k + (j + jj) * D, kf + jj * D, D);
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t r = 0; r < R; ++r) {
       __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
       for (int64_t d = 0; d < D; d += 16) {
-        __m512 qv = _mm512_loadu_ps(qf + i * D + d);
+        __m512 qv = _mm512_loadu_ps(qf + r * D + d);
         for (int jj = 0; jj < 4; ++jj) acc[jj] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + jj * D + d), acc[jj]);
       }
-      lane_sums<4>(acc, s + i * W + (j - j0));
+      lane_sums<4>(acc, s + r * W + (j - j0));
     }
   }
   for (; j < S; ++j) {
     to_float(k + j * D, kf, D);
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t r = 0; r < R; ++r) {
       __m512 acc = _mm512_setzero_ps();
       for (int64_t d = 0; d < D; d += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + i * D + d), _mm512_loadu_ps(kf + d), acc);
-      s[i * W + (j - j0)] = _mm512_reduce_add_ps(acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + r * D + d), _mm512_loadu_ps(kf + d), acc);
+      s[r * W + (j - j0)] = _mm512_reduce_add_ps(acc);
     }
   }
   // softmax of each query over its visible keys (and its sink's logit in the denominator); 0 elsewhere
-  for (int64_t i = 0; i < n; ++i) {
-    float* si = s + i * W;
-    const int64_t a = lo[i] - j0, b = hi[i] + 1 - j0;  // [a, b) visible
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = s + r * W;
+    const int64_t a = lo[r] - j0, b = hi[r] + 1 - j0;  // [a, b) visible
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (int64_t t = a; t < b; t += 16) {
       __mmask16 m = (__mmask16)(b - t >= 16 ? 0xFFFF : (1u << (b - t)) - 1);
-      mv = _mm512_mask_max_ps(mv, m, mv, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, si + t), _mm512_set1_ps(scale)));
+      mv = _mm512_mask_max_ps(mv, m, mv, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + t), sc));
     }
     float mx = _mm512_reduce_max_ps(mv);
-    if (sink) mx = std::max(mx, *sink);
-    __m512 sum = _mm512_setzero_ps(), mxv = _mm512_set1_ps(mx), sc = _mm512_set1_ps(scale);
+    if (sink) mx = std::max(mx, sink[r]);
+    __m512 sum = _mm512_setzero_ps(), mxv = _mm512_set1_ps(mx);
     for (int64_t t = a; t < b; t += 16) {
       __mmask16 m = (__mmask16)(b - t >= 16 ? 0xFFFF : (1u << (b - t)) - 1);
-      __m512 e = _mm512_maskz_mov_ps(m, exp_neg(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, si + t), sc, mxv)));
-      _mm512_mask_storeu_ps(si + t, m, e);
+      __m512 e = _mm512_maskz_mov_ps(m, exp_neg(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, sr + t), sc, mxv)));
+      _mm512_mask_storeu_ps(sr + t, m, e);
       sum = _mm512_add_ps(sum, e);
     }
-    float total = _mm512_reduce_add_ps(sum) + (sink ? std::exp(*sink - mx) : 0.0f);
+    float total = _mm512_reduce_add_ps(sum) + (sink ? std::exp(sink[r] - mx) : 0.0f);
     __m512 inv = _mm512_set1_ps(1.0f / total);
     for (int64_t t = a; t < b; t += 16) {
       __mmask16 m = (__mmask16)(b - t >= 16 ? 0xFFFF : (1u << (b - t)) - 1);
-      _mm512_mask_storeu_ps(si + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, si + t), inv));
+      _mm512_mask_storeu_ps(sr + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + t), inv));
     }
-    for (int64_t t = 0; t < a; ++t) si[t] = 0.0f;
-    for (int64_t t = b; t < W; ++t) si[t] = 0.0f;
+    for (int64_t t = 0; t < a; ++t) sr[t] = 0.0f;
+    for (int64_t t = b; t < W; ++t) sr[t] = 0.0f;
   }
-  // out = p @ v: 4 queries at a time, D in registers (at most 8 x 16 lanes: D <= 128 per pass of d)
-  float* vf = kf;  // one value row in float32
-  for (int64_t i0 = 0; i0 < n; i0 += 4) {
-    const int64_t ni = std::min<int64_t>(4, n - i0);
-    for (int64_t d0 = 0; d0 < D; d0 += 128) {
-      const int64_t dn = std::min<int64_t>(128, D - d0) / 16;
-      __m512 acc[4][8];
-      for (int64_t i = 0; i < ni; ++i)
-        for (int64_t c = 0; c < dn; ++c) acc[i][c] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < W; ++t) {
-        to_float(v + (j0 + t) * D + d0, vf, dn * 16);
-        for (int64_t i = 0; i < ni; ++i) {
-          __m512 pv = _mm512_set1_ps(s[(i0 + i) * W + t]);
-          for (int64_t c = 0; c < dn; ++c) acc[i][c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vf + c * 16), acc[i][c]);
+  // out = p @ v: values converted a chunk of CH keys at a time, then every query's weighted sum over the chunk
+  for (int64_t x = 0; x < R * D; ++x) of[x] = 0.0f;
+  for (int64_t c0 = 0; c0 < W; c0 += CH) {
+    const int64_t cn = std::min(CH, W - c0);
+    for (int64_t t = 0; t < cn; ++t) to_float(v + (j0 + c0 + t) * D, vf + t * D, D);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* pr = s + r * W + c0;
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 4 x 16 lanes of the output in registers
+        const int64_t dn = std::min<int64_t>(64, D - d0) / 16;
+        __m512 acc[4];
+        for (int64_t cc = 0; cc < dn; ++cc) acc[cc] = _mm512_loadu_ps(of + r * D + d0 + cc * 16);
+        for (int64_t t = 0; t < cn; ++t) {
+          __m512 pv = _mm512_set1_ps(pr[t]);
+          for (int64_t cc = 0; cc < dn; ++cc)
+            acc[cc] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vf + t * D + d0 + cc * 16), acc[cc]);
         }
-      }
-      for (int64_t i = 0; i < ni; ++i) {
-        alignas(64) float o[128];
-        for (int64_t c = 0; c < dn; ++c) _mm512_store_ps(o + c * 16, acc[i][c]);
-        T* dst = out + (i0 + i) * ldo + d0;
-        for (int64_t d = 0; d < dn * 16; ++d) dst[d] = T(o[d]);  // rounded once
+        for (int64_t cc = 0; cc < dn; ++cc) _mm512_storeu_ps(of + r * D + d0 + cc * 16, acc[cc]);
       }
     }
   }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < D; ++d) out[r][d] = T(of[r * D + d]);  // rounded once
 }
 
 template <typename T>
 void run_attention(const T* q, const T* kc, const T* vc, T* out, const int64_t* rows, const int64_t* pos,
                    const float* sinks, int64_t Bq, int64_t n, int64_t H, int64_t D, int64_t KVH, int64_t S_max,
                    int64_t G, int64_t window, float scale) {
-  at::parallel_for(0, Bq * H, 1, [&](int64_t u0, int64_t u1) {  // one unit: (query row, head)
-    std::vector<float> buf, qf(n * D);
-    int64_t lo[16], hi[16];
+  // one unit: (query row, kv head) with every head of the group, reading the keys and values once; with fewer such
+  // units than 4 per thread (a batch of 1), a unit per head, so that the threads share the work evenly
+  const int64_t Gu = Bq * KVH >= 4 * at::get_num_threads() ? G : 1, sub = G / Gu;  // heads per unit, units per group
+  at::parallel_for(0, Bq * KVH * sub, 1, [&](int64_t u0, int64_t u1) {
+    const int64_t R = Gu * n;  // query rows (g, i) of the unit
+    std::vector<float> buf, qf(R * D), sk(R);
+    std::vector<int64_t> lo(R), hi(R);
+    std::vector<T*> outs(R);
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t b = u / H, h = u % H, kvh = h / G;
-      for (int64_t i = 0; i < n; ++i) {
-        hi[i] = pos[b * n + i];
-        lo[i] = window > 0 ? std::max<int64_t>(0, hi[i] - window + 1) : 0;
-        to_float(q + ((b * n + i) * H + h) * D, qf.data() + i * D, D);
-      }
+      const int64_t b = u / (KVH * sub), kvh = (u / sub) % KVH, g0 = (u % sub) * Gu;
+      for (int64_t g = 0; g < Gu; ++g)
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t r = g * n + i, h = kvh * G + g0 + g;
+          hi[r] = pos[b * n + i];
+          lo[r] = window > 0 ? std::max<int64_t>(0, hi[r] - window + 1) : 0;
+          to_float(q + ((b * n + i) * H + h) * D, qf.data() + r * D, D);
+          outs[r] = out + ((b * n + i) * H + h) * D;
+          if (sinks) sk[r] = sinks[h];
+        }
       const int64_t off = (rows[b] * KVH + kvh) * S_max * D;
-      attend_one<T>(qf.data(), n, D, kc + off, vc + off, lo, hi, scale, sinks ? sinks + h : nullptr,
-                    out + (b * n * H + h) * D, H * D, buf);
+      attend_group<T>(qf.data(), R, D, kc + off, vc + off, lo.data(), hi.data(), scale, sinks ? sk.data() : nullptr,
+                      outs.data(), buf);
     }
   });
 }
