@@ -25,7 +25,7 @@ from torch import nn
 from ..config import ConfigError, field_defaults
 from ..data.vocab import draft_to_target_ids
 from ..verifier import default_aux_layers, flavour_of
-from ..verifier.linear import linear
+from ..verifier.linear import linear, linears
 from .attention import Elements, attention
 
 
@@ -162,9 +162,8 @@ class Attention(nn.Module):
         # attention()
         n = x.shape[0]
         # projections through verifier.linear: drafting (a few rows, no gradient) gets its small-M rule
-        q = linear(self.q_proj, x).view(n, self.nh, self.hd)
-        k = linear(self.k_proj, x).view(n, self.nkv, self.hd)
-        v = linear(self.v_proj, x).view(n, self.nkv, self.hd)
+        q, k, v = linears([self.q_proj, self.k_proj, self.v_proj], x)  # one kernel call where it applies
+        q, k, v = q.view(n, self.nh, self.hd), k.view(n, self.nkv, self.hd), v.view(n, self.nkv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         c, s = cos[:, None, :], sin[:, None, :]
@@ -190,7 +189,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
+        gate, up = linears([self.gate_proj, self.up_proj], x)
+        return linear(self.down_proj, F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
