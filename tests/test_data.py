@@ -292,6 +292,28 @@ def test_regenerate_endpoint_resumes(tmp_path):
     assert m["num_samples"] == 6
 
 
+@pytest.mark.e2e
+def test_regenerate_compiled_writes_the_eager_answers(tmp_path):
+    """--compile on: the engine's steps compile when the generator starts (as vLLM's engine does), before the
+    answers are timed; compile_s records it; the answers are the eager engine's (float32), a batch of 2 and the
+    last batch of 1 (compiled during the run) alike."""
+    tok = make_tokenizer("chatml")
+    model = make_tiny_llama(vocab_size=len(tok))
+    src = write_jsonl(tmp_path / "d.jsonl", [good(i) for i in range(3)])
+    answers, results = {}, {}
+    for mode in ("off", "on"):
+        cfg = RegenerateConfig(data=[str(src)], output=str(tmp_path / f"{mode}.jsonl"), max_new_tokens=6,
+                               batch_size=2, compile=mode)
+        gen = LocalGenerator(cfg, model=model, tokenizer=tok)
+        assert gen.engine.compiled == (mode == "on")
+        if mode == "on":
+            assert gen.engine.compile_s > 0  # compiled when it started, before any answer
+        results[mode] = regenerate(cfg, generator=gen)
+        answers[mode] = [json.loads(x)["messages"] for x in (tmp_path / f"{mode}.jsonl").read_text().splitlines()]
+    assert answers["on"] == answers["off"] and results["on"]["written"] == 3
+    assert results["on"]["compile_s"] > 0 and "compile_s" not in results["off"]
+
+
 def test_regenerate_local_model_batched(tmp_path):
     tok = make_tokenizer("chatml")
     model = make_tiny_llama(vocab_size=len(tok))

@@ -181,6 +181,11 @@ class LocalGenerator:
         self.gcfg = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                      seed=cfg.seed, eos_token_ids=stop_token_ids(tokenizer))
         self.calls = 0
+        if self.engine.compiled:  # its steps compile now, as vLLM's engine compiles when it starts: what the answers'
+            # seconds and tokens/s measure is generation (compile_s says what compiling took)
+            # (the step of a batch of any size >= 2; a call of one row compiles another when one comes)
+            with torch.inference_mode():
+                self.engine.generate([[1] * 4] * min(2, cfg.batch_size), GenerationConfig(max_new_tokens=2))
 
     @torch.inference_mode()
     def __call__(self, conversations: list[list[dict]]) -> list[tuple[str, bool]]:
@@ -415,8 +420,8 @@ def _write_answers(cfg: RegenerateConfig, out: Path, generator, todo: list, conv
     engine = getattr(generator, "engine", None)
     if getattr(engine, "compiled", False):
         result["compile_s"] = round(engine.compile_s, 2)
-        print(f"[regenerate] compiling the engine's steps took {engine.compile_s:.1f} s of {secs:.0f} s "
-              "(torch.compile; --compile off skips it)")
+        print(f"[regenerate] compiling the engine's steps took {engine.compile_s:.1f} s, before the {secs:.0f} s of "
+              "generation (torch.compile; --compile off skips it)")
     print(f"[regenerate] {written} new ({n_truncated} answers cut at --max-new-tokens, marked \"truncated\": their "
           f"end-of-turn is not trained), {result['already_done']} already done -> {out}")
     if n_empty:

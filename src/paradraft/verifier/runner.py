@@ -77,6 +77,14 @@ class VerifierRunner:
         compiles once per kind of step (decoding, verifying K+1, one row or several); the first such step pays it
         (~25 s on 2 cores, ~4 s where inductor's on-disk cache already holds it), recorded in `compile_s`."""
         self._compiled = (torch.compile(self._layers, dynamic=None), torch.compile(self._head, dynamic=None))
+        self._mark_batch_dynamic()
+
+    def _mark_batch_dynamic(self) -> None:
+        """The caches' rows vary from one generate call to the next (a batch of 2, then of 32): dynamic from the
+        first compilation, not recompiled when a second size comes."""
+        if self._compiled is not None:
+            for t in self.k + self.v:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
 
     def _pack_tiles(self):
         """The projections' weights packed in the AMX tile layout (kernels.pack_tiles), for the verification steps'
@@ -108,6 +116,7 @@ class VerifierRunner:
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.L)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.L)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self._mark_batch_dynamic()
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, rows: torch.Tensor | None = None, last_only: bool = False):
