@@ -1,11 +1,12 @@
-"""paradraft's CPU kernel against torch's own product on the projections of a decoding step, weights from memory.
+"""paradraft's CPU kernel against torch's own product on the projections of a decoding step, weights from memory;
+in bf16 on AMX hosts also `tile_linear` on the same weights packed once (what the engine's runner does).
 
 One pass multiplies `rows` rows by every projection matrix of SmolLM2-135M (30 layers x q, k, v, o, gate, up, down,
 and the 49,152 x 576 lm_head: 211 matrices, 269 MB in bf16), each read from memory as a decoding step reads it
 (random weights of those shapes; the model's ~0.5 GB in float32 exceeds the caches). Reported as the weights' GB/s:
 the bandwidth a step reaches on its projections. Median of 15 passes per (dtype, rows, path).
 
-  python benchmarks/bench_small_linear.py [--rows 1 2 4 8 16 32] [--output benchmarks/results/small-linear.json]
+  python benchmarks/bench_small_linear.py [--rows 1 2 4 8 16 32 64 128] [--output benchmarks/results/small-linear.json]
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def gbs(fn, ws, xs, reps: int = 15) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="at most 64")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     ap.add_argument("--output", default="benchmarks/results/small-linear.json")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -50,11 +51,17 @@ def main() -> None:
         ws.append(torch.randn(V, H, generator=g).to(dtype))
         for m in a.rows:
             xs = [torch.randn(m, w.shape[1], generator=g).to(dtype) for w in ws]
-            kernel = gbs(lambda x, w: kernels.small_linear(x, [w]), ws, xs)
+            kernel = gbs(lambda x, w: kernels.small_linear(x, [w]), ws, xs) if m <= kernels.MAX_ROWS else None
             rows.append({"dtype": str(dtype).split(".")[-1], "rows": m,
                          "torch_gbs": gbs(lambda x, w: F.linear(x, w), ws, xs), "kernel_gbs": kernel})
-            print(f"{rows[-1]['dtype']:9s} rows {m:3d}: torch {rows[-1]['torch_gbs']:5.1f} GB/s, "
-                  f"kernel {kernel:5.1f} GB/s", flush=True)
+            tiles = ""
+            if dtype == torch.bfloat16 and kernels.tiles_available():  # the weights packed once
+                packed = {id(w): [kernels.pack_tiles(w)] for w in ws}
+                rows[-1]["tiles_gbs"] = gbs(lambda x, w: kernels.tile_linear(x, packed[id(w)]), ws, xs)
+                tiles = f", tile-packed {rows[-1]['tiles_gbs']:5.1f} GB/s"
+            kern = f"kernel {kernel:5.1f} GB/s" if kernel is not None else f"kernel - (> {kernels.MAX_ROWS} rows)"
+            print(f"{rows[-1]['dtype']:9s} rows {m:3d}: torch {rows[-1]['torch_gbs']:5.1f} GB/s, {kern}{tiles}",
+                  flush=True)
     Path(a.output).parent.mkdir(parents=True, exist_ok=True)
     Path(a.output).write_text(json.dumps({"benchmark": "small_linear", "date": time.strftime("%Y-%m-%d %H:%M"),
                                           "threads": torch.get_num_threads(), "kernel": kernels.status(),

@@ -18,8 +18,9 @@ accumulation, rounded once to x's dtype (bfloat16 or float32), 1 <= M <= 64.
 cache, float32 inside (see its docstring).
 `tile_linear(x [M, K], tiles) -> [M, sum N_i]`: the same for bfloat16 on hosts with AMX (`tiles_available`), each
 weight packed once by `pack_tiles` into the AMX tile layout (a copy: the runner keeps one per projection of the
-verifier); 1 <= M <= 16. It reads the weights for a 4-row verification step as fast as `small_linear` reads them
-for one row, where `small_linear` ran ~25% slower with 4 rows than with 1.
+verifier); any M >= 1, beyond 32 rows in groups of 32 that share each weight block while it is cached. It reads
+the weights for a 4-row verification step as fast as `small_linear` reads them for one row, where `small_linear`
+ran ~25% slower with 4 rows than with 1.
 """
 
 from __future__ import annotations
@@ -177,8 +178,9 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: 
     caches kc / vc [B, KVH, S_max, D] holding this step's keys and values, rows [B'] (each query row's cache row),
     pos [B', n] (each query's position: key j is visible when j <= pos, and j > pos - window with a window),
     sinks [H] (a logit per head in the softmax's denominator) -> [B', n, H, D] in q's dtype. Scores, softmax
-    and the weighted sum in float32, one (row, head) per task over torch's threads; 1 <= n <= ATTENTION_QUERIES,
-    D a multiple of 16, bfloat16 or float32."""
+    and the weighted sum in float32, a task per (row, kv head) with the heads of its group (per head where there
+    are few such tasks) over torch's threads; 1 <= n <= ATTENTION_QUERIES, D a multiple of 16, bfloat16 or
+    float32."""
     empty = q.new_empty(0, dtype=torch.float32)
     return torch.ops.paradraft.decode_attention(q, kc, vc, rows, pos, int(window), float(scale),
                                                 empty if sinks is None else sinks)

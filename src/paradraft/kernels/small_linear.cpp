@@ -12,7 +12,7 @@
 //   small_linear(x [M, K], weights [N_i, K] ...) -> y [M, sum N_i], 1 <= M <= 64: the weights' outputs side by side
 //   (q|k|v or gate|up in one call, no concatenated copy of the weights). x and every weight share one dtype
 //   (bfloat16 or float32); accumulation in float32; y is rounded to x's dtype once, as torch's own linear does.
-//   tile_linear(x [M, K] bf16, tiles [N_i/16, K/32, 16, 32] ...) -> y [M, sum N_i], 1 <= M <= 16, AMX hosts: the
+//   tile_linear(x [M, K] bf16, tiles [N_i/16, K/32, 16, 32] ...) -> y [M, sum N_i], M >= 1, AMX hosts: the
 //   same product on weights packed once in the AMX tile layout (a verification step's rows read them as fast as
 //   one row reads the weights in place). tiles_ready() -> whether tile_linear runs on this host.
 // Rows are split over torch's intra-op threads (at::parallel_for), so the kernel shares torch's thread pool.
@@ -263,7 +263,7 @@ inline void tile_blocks(const c10::BFloat16* p, int nblk, int64_t K, const c10::
 // 17..32 x rows: one block against two groups of x rows (16 and M - 16). Tiles: C 0-1 (per group), A 2-3 (groups,
 // even k) and 5-6 (odd k), B 4 (even) and 7 (odd)
 inline void tile_block_wide(const c10::BFloat16* p, int64_t K, const c10::BFloat16* x, int64_t M,
-                            c10::BFloat16* out, int64_t N, int64_t col0) {
+                            c10::BFloat16* out, int64_t N, int64_t col0, int64_t valid) {  // valid: rows stored
   const char* ahead = reinterpret_cast<const char*>(p) + TILE_PREFETCH;
   const c10::BFloat16* x1 = x + 16 * K;
   const int64_t T = K / 32, lda = K * 2;
@@ -290,17 +290,20 @@ inline void tile_block_wide(const c10::BFloat16* p, int64_t K, const c10::BFloat
     _tile_dpbf16ps(0, 2, 4);
     _tile_dpbf16ps(1, 3, 4);
   }
-  store_rows(0, 16, out, N, 0, col0);
-  store_rows(1, M - 16, out, N, 16, col0);
+  store_rows(0, std::min<int64_t>(16, valid), out, N, 0, col0);
+  if (valid > 16) store_rows(1, valid - 16, out, N, 16, col0);
 }
 
 at::Tensor tile_linear(const at::Tensor& x, at::TensorList tiles) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
               "tile_linear: x must be a contiguous bfloat16 CPU [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(M >= 1 && M <= 32 && K % 32 == 0, "tile_linear: 1..32 rows and K a multiple of 32");
+  TORCH_CHECK(M >= 1 && K % 32 == 0, "tile_linear: at least 1 row and K a multiple of 32");
   TORCH_CHECK(amx_permitted(), "tile_linear: the OS did not grant the AMX tile state");
   const bool wide = M > 16;
+  // beyond 32 rows (a prefill): x zero-padded to groups of 32 rows, each weight block read from memory once and
+  // applied to every group while it is in the cache
+  const int64_t groups = M > 32 ? (M + 31) / 32 : 1, Mp = M > 32 ? groups * 32 : M;
   std::vector<const c10::BFloat16*> base;
   std::vector<int64_t> unit0, col0, nblocks;  // per weight: first unit, first output column, blocks of 16 outputs
   int64_t units = 0, N = 0;
@@ -316,15 +319,18 @@ at::Tensor tile_linear(const at::Tensor& x, at::TensorList tiles) {
   }
   unit0.push_back(units);
   at::Tensor y = at::empty({M, N}, x.options());
-  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  at::Tensor xpad = x;
+  if (Mp != M) xpad = at::cat({x, at::zeros({Mp - M, K}, x.options())});
+  const c10::BFloat16* xp = xpad.data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t gm = M > 32 ? 32 : M;  // rows per group
   at::parallel_for(0, units, 2, [&](int64_t u0, int64_t u1) {
     TileConfig cfg;
     const int a_rows = wide ? 16 : (int)M;
     for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // B: 16 k pairs x 16 outputs x 2
     cfg.rows[0] = cfg.rows[2] = a_rows;                                 // C and A of the first (or only) x rows
-    cfg.rows[1] = cfg.rows[3] = wide ? (int)(M - 16) : a_rows;          // C of the second block, or of rows 16..
-    if (wide) cfg.rows[5] = 16, cfg.rows[6] = (int)(M - 16);
+    cfg.rows[1] = cfg.rows[3] = wide ? (int)(gm - 16) : a_rows;         // C of the second block, or of rows 16..
+    if (wide) cfg.rows[5] = 16, cfg.rows[6] = (int)(gm - 16);
     else cfg.rows[3] = a_rows;
     _tile_loadconfig(&cfg);
     size_t i = 0;
@@ -332,7 +338,9 @@ at::Tensor tile_linear(const at::Tensor& x, at::TensorList tiles) {
       while (unit0[i + 1] <= u) ++i;
       if (wide) {
         const int64_t b = u - unit0[i];
-        tile_block_wide(base[i] + b * 16 * K, K, xp, M, yp, N, col0[i] + b * 16);
+        for (int64_t g = 0; g < groups; ++g)
+          tile_block_wide(base[i] + b * 16 * K, K, xp + g * 32 * K, gm, yp + g * 32 * N, N, col0[i] + b * 16,
+                          std::min<int64_t>(gm, M - g * 32));
       } else {
         const int64_t b = 2 * (u - unit0[i]);  // first block of this unit in weight i
         tile_blocks(base[i] + b * 16 * K, b + 1 < nblocks[i] ? 2 : 1, K, xp, M, yp, N, col0[i] + b * 16);
