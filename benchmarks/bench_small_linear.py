@@ -57,7 +57,7 @@ def main() -> None:
             tiles = ""
             if dtype == torch.bfloat16 and kernels.tiles_available():  # the weights packed once
                 packed = {id(w): [kernels.pack_tiles(w)] for w in ws}
-                rows[-1]["tiles_gbs"] = gbs(lambda x, w: kernels.tile_linear(x, packed[id(w)]), ws, xs)
+                rows[-1]["tiles_gbs"] = gbs(lambda x, w, p=packed: kernels.tile_linear(x, p[id(w)]), ws, xs)
                 tiles = f", tile-packed {rows[-1]['tiles_gbs']:5.1f} GB/s"
             kern = f"kernel {kernel:5.1f} GB/s" if kernel is not None else f"kernel - (> {kernels.MAX_ROWS} rows)"
             print(f"{rows[-1]['dtype']:9s} rows {m:3d}: torch {rows[-1]['torch_gbs']:5.1f} GB/s, {kern}{tiles}",

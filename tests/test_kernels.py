@@ -186,7 +186,6 @@ def test_the_runner_packs_the_verifiers_projections_and_verifies_with_them():
     them equals the same step on the weights in place (within bf16 rounding), and decoding one token does not
     read them. A float32 runner packs nothing."""
     from helpers import make_tiny_llama
-
     from paradraft.verifier.runner import VerifierRunner
 
     model = make_tiny_llama(layers=8).bfloat16()
@@ -234,8 +233,9 @@ def test_decode_attention_equals_softmax_attention(dtype):
     B, KVH, S_max, D, H = 3, 2, 70, 32, 6
     kc = torch.randn(B, KVH, S_max, D, generator=g).to(dtype)
     vc = torch.randn(B, KVH, S_max, D, generator=g).to(dtype)
+    sinks5 = torch.randn(H, generator=g)
     for n, rows, starts, window, sinks in ((1, [0, 1, 2], [0, 5, 66], 0, None), (4, [2, 0], [17, 33], 0, None),
-                                           (3, [1], [40], 9, None), (5, [0, 2], [3, 50], 0, torch.randn(H, generator=g)),
+                                           (3, [1], [40], 9, None), (5, [0, 2], [3, 50], 0, sinks5),
                                            (16, [1], [51], 0, None)):
         q = torch.randn(len(rows), n, H, D, generator=g).to(dtype)
         pos = torch.tensor(starts)[:, None] + torch.arange(n)[None]  # [B', n]

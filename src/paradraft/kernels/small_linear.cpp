@@ -1,4 +1,5 @@
-// paradraft's CPU kernel for the projections of a decoding or verification step: y = x @ W^T for a few rows of x.
+// paradraft's CPU kernels for a decoding or verification step: its projections (y = x @ W^T for a few rows of x)
+// and its attention (a few queries per row against the KV cache).
 //
 // A decoding step multiplies 1 row (per sequence) by every weight matrix, a verification step K+1 rows: the time is
 // the time to read the weights once from memory. On the 2-core AVX-512 host of BENCHMARKS.md ("The engine at the
@@ -15,7 +16,9 @@
 //   tile_linear(x [M, K] bf16, tiles [N_i/16, K/32, 16, 32] ...) -> y [M, sum N_i], M >= 1, AMX hosts: the
 //   same product on weights packed once in the AMX tile layout (a verification step's rows read them as fast as
 //   one row reads the weights in place). tiles_ready() -> whether tile_linear runs on this host.
-// Rows are split over torch's intra-op threads (at::parallel_for), so the kernel shares torch's thread pool.
+//   decode_attention(q [B', n, H, D], kc, vc [B, KVH, S_max, D], rows [B'], pos [B', n], window, scale, sinks [H])
+//   -> [B', n, H, D]: softmax attention of 1..16 queries per row over each row's visible cached keys, float32 inside.
+// Work is split over torch's intra-op threads (at::parallel_for), so the kernels share torch's thread pool.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

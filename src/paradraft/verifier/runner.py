@@ -87,11 +87,11 @@ class VerifierRunner:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
 
     def _pack_tiles(self):
-        """The projections' weights packed in the AMX tile layout (kernels.pack_tiles), for the verification steps'
-        2..16 bf16 rows (verifier/linear.py): per layer (q|k|v, o, gate|up, down) or None, and the lm_head's; all
-        None off AMX hosts, in other dtypes, or where a family's modules are not the plain projections the rule
-        takes. A copy of those weights (+269 MB for the embedded verifier in bf16), made once per runner: the
-        verifier's weights must not change under a runner."""
+        """The projections' weights packed in the AMX tile layout (kernels.pack_tiles), for steps of 2..128 bf16
+        rows (verification, batches; verifier/linear.py): per layer (q|k|v, o, gate|up, down) or None, and the
+        lm_head's; all None off AMX hosts, in other dtypes, or where a family's modules are not the plain
+        projections the rule takes. A copy of those weights (+269 MB for the embedded verifier in bf16), made once
+        per runner: the verifier's weights must not change under a runner."""
         if self.dtype != torch.bfloat16 or self.device.type != "cpu" or not kernels.tiles_available():
             return [None] * self.L, None
 
@@ -218,21 +218,18 @@ class VerifierRunner:
         k = k * cos + _rotate_half(k) * sin
         kc[ridx, :, pos] = k  # [B', n, KVH, D] into [B, KVH, S_max, D]
         vc[ridx, :, pos] = v
-        window = getattr(attn, "sliding_window", None)
+        window, sinks = getattr(attn, "sliding_window", None), getattr(attn, "sinks", None)
         if self.attention_kernel and n <= kernels.ATTENTION_QUERIES:  # on the cache as it is (see _attend)
-            o = kernels.decode_attention(q.contiguous(), kc, vc, rows, pos, attn.scaling, window or 0,
-                                         getattr(attn, "sinks", None))  # [B', n, H, D]
-            h = h + linear(attn.o_proj, o.reshape(Bq, n, self.nh * self.hd), t_o)
-            m = mlp(layer.mlp, layer.post_attention_layernorm(h), t_ffn)
-            return h + (m[0] if isinstance(m, tuple) else m)
-        S = causal.shape[-1]
-        kk = kc[:, :, :S] if all_rows else kc[rows, :, :S]  # [B', KVH, S, D]
-        vv = vc[:, :, :S] if all_rows else vc[rows, :, :S]
-        mask = causal
-        if window:  # a key is visible only within the window: kv > q - window
-            mask = causal & (key_pos > pos[:, :, None] - window)[:, None]
-        o = self._attend(q.transpose(1, 2), kk, vv, mask, attn.scaling, getattr(attn, "sinks", None))
-        h = h + linear(attn.o_proj, o.transpose(1, 2).reshape(Bq, n, self.nh * self.hd), t_o)
+            o = kernels.decode_attention(q.contiguous(), kc, vc, rows, pos, attn.scaling, window or 0, sinks)
+        else:
+            S = causal.shape[-1]
+            kk = kc[:, :, :S] if all_rows else kc[rows, :, :S]  # [B', KVH, S, D]
+            vv = vc[:, :, :S] if all_rows else vc[rows, :, :S]
+            mask = causal
+            if window:  # a key is visible only within the window: kv > q - window
+                mask = causal & (key_pos > pos[:, :, None] - window)[:, None]
+            o = self._attend(q.transpose(1, 2), kk, vv, mask, attn.scaling, sinks).transpose(1, 2)
+        h = h + linear(attn.o_proj, o.reshape(Bq, n, self.nh * self.hd), t_o)  # o [B', n, H, D]
         m = mlp(layer.mlp, layer.post_attention_layernorm(h), t_ffn)
         return h + (m[0] if isinstance(m, tuple) else m)  # MoE blocks may also return router scores
 
@@ -240,8 +237,8 @@ class VerifierRunner:
         """q [B, H, n, D], k/v [B, KVH, S, D], mask [B, 1, n, S], sinks [H] or None -> [B, H, n, D].
 
         Few queries (decoding, verifying K+1 drafts): on a CPU with paradraft's kernel, `kernels.decode_attention`
-        on the cache as it is (_layer calls it instead of this; ~0.4 against ~1.6 ms of inductor's loops per bf16
-        step of the embedded verifier at ~300 keys, and ~0.8 against ~4.7 ms for a 4-token verification step);
+        on the cache as it is (_layer calls it instead of this; ~0.8 against ~1.6 ms of inductor's loops per bf16
+        step of the embedded verifier at ~300 keys, and ~1.5 against ~4.7 ms for a 4-token verification step);
         elsewhere grouped matmuls, 5x faster than CPU SDPA here, which was 80% of a batch-16 decode step in the
         profile. Many queries (prefill): SDPA. Attention sinks add one logit per head to the softmax's
         denominator (a key that is attended to but has no value).
@@ -284,30 +281,6 @@ class GenericRunner:
         self.device = next(model.parameters()).device
         self.max_len = max_len
         self.alloc(max_batch)
-
-    def _pack_tiles(self):
-        """The projections' weights packed in the AMX tile layout (kernels.pack_tiles), for the verification steps'
-        2..16 bf16 rows (verifier/linear.py): per layer (q|k|v, o, gate|up, down) or None, and the lm_head's; all
-        None off AMX hosts, in other dtypes, or where a family's modules are not the plain projections the rule
-        takes. A copy of those weights (+269 MB for the embedded verifier in bf16), made once per runner: the
-        verifier's weights must not change under a runner."""
-        if self.dtype != torch.bfloat16 or self.device.type != "cpu" or not kernels.tiles_available():
-            return [None] * self.L, None
-
-        def pack(modules):
-            tiles = [kernels.pack_tiles(m.weight) if type(m) is torch.nn.Linear else None for m in modules]
-            return None if any(t is None for t in tiles) else tiles
-
-        layers = []
-        for layer in self.inner.layers:
-            attn, m = layer.self_attn, layer.mlp
-            qkv, o = pack([attn.q_proj, attn.k_proj, attn.v_proj]), pack([attn.o_proj])
-            ffn = None
-            if type(m).__name__ in GATED_MLPS:
-                ffn = (pack([m.gate_proj, m.up_proj]), pack([m.down_proj]))
-            layers.append((qkv, o, ffn))
-        head = getattr(self.model, "lm_head", None)
-        return layers, (pack([head]) if isinstance(head, torch.nn.Linear) else None)
 
     def alloc(self, batch: int) -> None:
         from transformers import DynamicCache
