@@ -4,8 +4,8 @@ weight matrix, a decoding step one.
 THE rule of which path a CPU projection takes at inference (`linear`, `linears`):
 - where the caller holds the weights packed in the AMX tile layout (the engine's runner packs the verifier's on AMX
   hosts, kernels.pack_tiles), 2..128 bfloat16 rows take `tile_linear` on them: a verification step's rows then read
-  the weights as fast as one row does, a batch of 32 rows ~1.5x as fast as torch's path, 48-128 rows 1.2-1.4x
-  (measured by benchmarks/bench_small_linear.py); a longer prefill is faster through torch (oneDNN);
+  the weights as fast as one row does, a batch of 32 rows ~1.6x as fast as torch's path, 64-128 rows ~1.3x
+  (measured by benchmarks/bench_small_linear.py); a longer prefill is as fast or faster through torch (oneDNN);
 - paradraft's kernel (kernels/, AVX-512 hosts) for 1..16 rows in bfloat16 and 2..16 rows in float32, measured
   faster than torch's path there (BENCHMARKS.md, "The engine at the machine's limit"; beyond 16 rows torch's
   path, AMX through oneDNN, is faster). One float32 row stays on torch's path (as fast there): an eager decoding
