@@ -184,7 +184,7 @@ def test_the_rule_takes_packed_weights_for_verification_rows_only():
 def test_the_runner_packs_the_verifiers_projections_and_verifies_with_them():
     """A bf16 VerifierRunner holds every projection and the lm_head packed; a 4-token verification step through
     them equals the same step on the weights in place (within bf16 rounding), and decoding one token does not
-    read them. A float32 runner packs nothing."""
+    read them. A float32 runner packs nothing. Runners of one model share its packed copy until a weight changes."""
     from helpers import make_tiny_llama
     from paradraft.verifier.runner import VerifierRunner
 
@@ -203,6 +203,14 @@ def test_the_runner_packs_the_verifiers_projections_and_verifies_with_them():
     assert torch.equal(outs[0][1][0], outs[1][1][0])  # one token: the kernel on the weights in place
     f32 = VerifierRunner(make_tiny_llama(layers=8), [1, 4, 6], max_len=64)
     assert f32.head_tiles is None and f32.tiles == [None] * 8
+    # one packed copy per model, shared by its runners; a weight changed since is packed again
+    again = VerifierRunner(model, [1, 4, 6], max_len=64)
+    assert again.head_tiles[0] is packed.head_tiles[0] and again.tiles[3][0][0] is packed.tiles[3][0][0]
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    changed = VerifierRunner(model, [1, 4, 6], max_len=64)
+    assert torch.equal(changed.head_tiles[0], kernels.pack_tiles(model.lm_head.weight))
+    assert not torch.equal(changed.head_tiles[0], packed.head_tiles[0])
 
 
 def _attention_reference(q, kc, vc, rows, pos, scale, window=0, sinks=None):

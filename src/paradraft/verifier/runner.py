@@ -18,6 +18,7 @@ every prompt position is ~20% of a SmolLM2 prefill); that row of the full logits
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,11 @@ from .linear import GATED_MLPS, linear, linears, mlp
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+# a model -> (its weights' storage and versions, its packed projections): one packed copy per verifier, whatever the
+# number of its runners
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def make_runner(model, aux_layer_ids: list[int] | None = None, max_batch: int = 1, max_len: int = 4096):
@@ -91,9 +97,18 @@ class VerifierRunner:
         rows (verification, batches; verifier/linear.py): per layer (q|k|v, o, gate|up, down) or None, and the
         lm_head's; all None off AMX hosts, in other dtypes, or where a family's modules are not the plain
         projections the rule takes. A copy of those weights (+269 MB for the embedded verifier in bf16), made once
-        per runner: the verifier's weights must not change under a runner."""
+        per model and shared by its runners (bench's engines) while its weights stay the same tensors and versions:
+        the verifier's weights must not change under a runner."""
         if self.dtype != torch.bfloat16 or self.device.type != "cpu" or not kernels.tiles_available():
             return [None] * self.L, None
+        mark = [(p.data_ptr(), p._version) for p in self.model.parameters()]  # the weights as they are now
+        kept = _PACKED.get(self.model)
+        if kept is None or kept[0] != mark:
+            kept = _PACKED[self.model] = (mark, self._pack_all())
+        return kept[1]
+
+    def _pack_all(self):
+        """_pack_tiles' work: every projection of the model packed."""
 
         def pack(modules):
             tiles = [kernels.pack_tiles(m.weight) if type(m) is torch.nn.Linear else None for m in modules]
