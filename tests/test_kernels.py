@@ -211,6 +211,9 @@ def test_the_runner_packs_the_verifiers_projections_and_verifies_with_them():
     changed = VerifierRunner(model, [1, 4, 6], max_len=64)
     assert torch.equal(changed.head_tiles[0], kernels.pack_tiles(model.lm_head.weight))
     assert not torch.equal(changed.head_tiles[0], packed.head_tiles[0])
+    with torch.inference_mode():  # a verifier loaded in inference mode (bench loads it so): inference tensors
+        loaded = make_tiny_llama(layers=8).bfloat16()
+    assert VerifierRunner(loaded, [1, 4, 6], max_len=64).head_tiles is not None
 
 
 def _attention_reference(q, kc, vc, rows, pos, scale, window=0, sinks=None):

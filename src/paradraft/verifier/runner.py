@@ -101,7 +101,8 @@ class VerifierRunner:
         the verifier's weights must not change under a runner."""
         if self.dtype != torch.bfloat16 or self.device.type != "cpu" or not kernels.tiles_available():
             return [None] * self.L, None
-        mark = [(p.data_ptr(), p._version) for p in self.model.parameters()]  # the weights as they are now
+        # the weights as they are now (inference tensors, as a model loaded in inference mode has, keep no version)
+        mark = [(p.data_ptr(), 0 if p.is_inference() else p._version) for p in self.model.parameters()]
         kept = _PACKED.get(self.model)
         if kept is None or kept[0] != mark:
             kept = _PACKED[self.model] = (mark, self._pack_all())
