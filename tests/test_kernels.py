@@ -184,36 +184,51 @@ def test_the_rule_takes_packed_weights_for_verification_rows_only():
 def test_the_runner_packs_the_verifiers_projections_and_verifies_with_them():
     """A bf16 VerifierRunner holds every projection and the lm_head packed; a 4-token verification step through
     them equals the same step on the weights in place (within bf16 rounding), and decoding one token does not
-    read them. A float32 runner packs nothing. Runners of one model share its packed copy until a weight changes."""
+    read them. It packs on its first decoding or verification step of TILE_ROWS rows: a runner of prefills and
+    one-row steps holds no copy. A float32 runner packs nothing. Runners of one model share its packed copy until a
+    weight changes."""
     from helpers import make_tiny_llama
     from paradraft.verifier.runner import VerifierRunner
 
     model = make_tiny_llama(layers=8).bfloat16()
     packed = VerifierRunner(model, [1, 4, 6], max_len=64)
-    assert packed.head_tiles is not None and all(t[0] and t[1] and t[2][0] and t[2][1] for t in packed.tiles)
     plain = VerifierRunner(model, [1, 4, 6], max_len=64)
-    plain.tiles, plain.head_tiles = [None] * plain.L, None
-    prompt, step = torch.randint(0, 400, (1, 9)), torch.randint(0, 400, (1, 4))
+    plain._tiles_pending = False  # the weights in place only
+    prompt, step = torch.randint(0, 400, (1, 200)), torch.randint(0, 400, (1, 4))
     with torch.inference_mode():
+        one = VerifierRunner(model, [1, 4, 6], max_len=512)
+        one.forward(prompt, last_only=True)  # prefills and one-row steps: no packed copy
+        one.forward(step[:, :1])
+        assert one.head_tiles is None and one.tiles == [None] * 8
+        prompt = prompt[:, :9]
         outs = [(r.forward(prompt, last_only=True), r.forward(step[:, :1]), r.forward(step)) for r in (packed, plain)]
+    # the verification step packed it
+    assert packed.head_tiles is not None and all(t[0] and t[1] and t[2][0] and t[2][1] for t in packed.tiles)
+    assert plain.head_tiles is None
     for a, b in zip(*outs):
         for x, y in zip(a, b):  # (logits, aux)
             torch.testing.assert_close(x.float(), y.float(), rtol=0.05, atol=0.05)
-    assert torch.equal(outs[0][0][0], outs[1][0][0])  # the prefill (many rows) never reads them
+    assert torch.equal(outs[0][0][0], outs[1][0][0])  # the prefill never reads them
     assert torch.equal(outs[0][1][0], outs[1][1][0])  # one token: the kernel on the weights in place
-    f32 = VerifierRunner(make_tiny_llama(layers=8), [1, 4, 6], max_len=64)
+    def stepped(m, **kw):  # a runner after one verification step (its first step of TILE_ROWS rows packs)
+        r = VerifierRunner(m, [1, 4, 6], max_len=64, **kw)
+        with torch.inference_mode():
+            r.forward(step)
+        return r
+
+    f32 = stepped(make_tiny_llama(layers=8))
     assert f32.head_tiles is None and f32.tiles == [None] * 8
     # one packed copy per model, shared by its runners; a weight changed since is packed again
-    again = VerifierRunner(model, [1, 4, 6], max_len=64)
+    again = stepped(model)
     assert again.head_tiles[0] is packed.head_tiles[0] and again.tiles[3][0][0] is packed.tiles[3][0][0]
     with torch.no_grad():
         model.lm_head.weight.mul_(2)
-    changed = VerifierRunner(model, [1, 4, 6], max_len=64)
+    changed = stepped(model)
     assert torch.equal(changed.head_tiles[0], kernels.pack_tiles(model.lm_head.weight))
     assert not torch.equal(changed.head_tiles[0], packed.head_tiles[0])
     with torch.inference_mode():  # a verifier loaded in inference mode (bench loads it so): inference tensors
         loaded = make_tiny_llama(layers=8).bfloat16()
-    assert VerifierRunner(loaded, [1, 4, 6], max_len=64).head_tiles is not None
+    assert stepped(loaded).head_tiles is not None
 
 
 def _attention_reference(q, kc, vc, rows, pos, scale, window=0, sinks=None):

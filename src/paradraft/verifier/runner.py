@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from .adapters import adapter_for
-from .linear import GATED_MLPS, linear, linears, mlp
+from .linear import GATED_MLPS, TILE_ROWS, linear, linears, mlp
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -62,7 +62,12 @@ class VerifierRunner:
         if self.device.type == "cpu":
             kernels.available()  # the CPU kernel is built (once per host) with the engine, not in its first step, and
             # before any compiled step traces a call to it
-        self.tiles, self.head_tiles = self._pack_tiles()
+        # the projections' tile-packed copy, made by the first decoding or verification step of TILE_ROWS rows (a
+        # compiled step serves all B rows; _pack_tiles): a runner that only ever decodes one row (plain `generate`
+        # of one prompt) holds no copy it would not read
+        self.tiles, self.head_tiles = [None] * self.L, None
+        self._tiles_pending = (self.dtype == torch.bfloat16 and self.device.type == "cpu"
+                               and kernels.tiles_available())
         # decoding and verification steps attend through paradraft's kernel on a CPU where it is built (_attend)
         self.attention_kernel = (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
                                  and self.hd % 16 == 0 and kernels.available())
@@ -94,13 +99,11 @@ class VerifierRunner:
 
     def _pack_tiles(self):
         """The projections' weights packed in the AMX tile layout (kernels.pack_tiles), for steps of 2..128 bf16
-        rows (verification, batches; verifier/linear.py): per layer (q|k|v, o, gate|up, down) or None, and the
-        lm_head's; all None off AMX hosts, in other dtypes, or where a family's modules are not the plain
-        projections the rule takes. A copy of those weights (+269 MB for the embedded verifier in bf16), made once
+        rows (verification, batches; verifier/linear.py), on AMX hosts in bf16 (_tiles_pending): per layer (q|k|v,
+        o, gate|up, down) or None, and the lm_head's; None where a family's modules are not the plain projections
+        the rule takes. A copy of those weights (+269 MB for the embedded verifier in bf16), made once
         per model and shared by its runners (bench's engines) while its weights stay the same tensors and versions:
         the verifier's weights must not change under a runner."""
-        if self.dtype != torch.bfloat16 or self.device.type != "cpu" or not kernels.tiles_available():
-            return [None] * self.L, None
         # the weights as they are now (inference tensors, as a model loaded in inference mode has, keep no version)
         mark = [(p.data_ptr(), 0 if p.is_inference() else p._version) for p in self.model.parameters()]
         kept = _PACKED.get(self.model)
@@ -142,6 +145,10 @@ class VerifierRunner:
         """
         Bq, n = tokens.shape
         B = self.k[0].shape[0]
+        # (a prefill never packs: it is eager, and a runner whose compiled steps ran without the copy would recompile)
+        if self._tiles_pending and not last_only and TILE_ROWS[0] <= max(Bq, B) * n <= TILE_ROWS[1]:
+            self.tiles, self.head_tiles = self._pack_tiles()
+            self._tiles_pending = False
         if (self._compiled is not None and n <= 16 and not last_only and rows is not None and Bq < B
                 and int(self.lengths.max()) + n <= self.max_len):  # (every row has room for n more)
             # a compiled step serves every row of the cache: the other rows are fed a token at their own length (an
