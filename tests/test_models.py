@@ -380,3 +380,40 @@ def test_train_out_of_vocab_trains_positions_outside_the_draft_vocabulary_and_sc
         for flag in (False, True):
             cfg = TrainConfig(algorithm=algo.algorithm, online=True, train_out_of_vocab=flag, **extra)
             assert algo.train_args(cfg)["out_of_vocab"] is flag
+
+
+@pytest.mark.parametrize("flavour", ["llama", "qwen3"])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_peagle_row_cache_drafts_what_the_element_cache_drafts(flavour, kernel, monkeypatch):
+    """draft_rows on a RowCache (each element at place anchor + depth of its row, rejected drafts overwritten by
+    the next pass's context) == draft on a DraftCache (the element rule), for ragged rows over several passes: a
+    first pass longer than the kernel's queries (row by row), then engine-sized passes."""
+    from paradraft import kernels
+    from paradraft.models.common import RowCache
+
+    if not kernel:
+        monkeypatch.setattr(kernels, "available", lambda: False)  # attention.row_attention's SDPA path
+    model, _ = tiny_drafter("peagle", flavour)
+    K = 4
+    b = random_slots(46, model, doc_lengths=[26, 20])
+    starts = {0: 0, 1: 26}
+    passes = [[15, 13], [2, 1], [1, 3], [4, 1], [3, 1]]  # new context slots of rows (0, 1) per pass
+    rows = torch.tensor([1, 0])  # rows 0 and 1 sit in cache rows 1 and 0
+    with torch.no_grad():
+        elems, places = DraftCache(), model.row_cache(2, 64)
+        assert isinstance(places, RowCache)
+        done = {0: 0, 1: 0}
+        for counts in passes:
+            idx = torch.cat([torch.arange(starts[r] + done[r], starts[r] + done[r] + c) for r, c in enumerate(counts)])
+            args = (b.tokens[idx], b.hidden[idx], b.positions[idx])
+            want = model.draft(*args, K, elems, doc=rows, counts=counts)  # [2, K, Vd]
+            got = model.draft_rows(*args, counts, rows, K, places)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            for r, c in enumerate(counts):
+                done[r] += c
+            nxt = slice(starts[1] + done[1], starts[1] + done[1] + 1)  # row 1 alone, its next slot
+            one = model.draft_rows(b.tokens[nxt], b.hidden[nxt], b.positions[nxt], [1], rows[1:], K,
+                                   copy.deepcopy(places))
+            ref = model.draft(b.tokens[nxt], b.hidden[nxt], b.positions[nxt], K, copy.deepcopy(elems), doc=rows[1:],
+                              counts=[1])
+            torch.testing.assert_close(one, ref, atol=1e-4, rtol=1e-4)

@@ -1,7 +1,9 @@
 """The speculative decoding engine: draft K, verify once, accept a prefix + one verifier token, roll back.
 
-Verifier: `VerifierRunner` (ragged per-row KV cache, rollback by length). Drafter: one flat `DraftCache` for the
-whole batch, each element tagged with its row as the document id, so the attention rule keeps rows apart.
+Verifier: `VerifierRunner` (ragged per-row KV cache, rollback by length). Drafter: the cache its `row_cache` gives:
+P-EAGLE a `RowCache` (a cache per row, each element at position anchor + depth, the rejected drafts overwritten by
+the next pass's context), EAGLE-3 one flat `DraftCache` for the whole batch, each element tagged with its row as
+the document id, so the attention rule keeps rows apart.
 P-EAGLE drafts K tokens in ONE drafter pass; EAGLE-3 drafts them in K sequential passes that feed the drafter's
 hidden state forward. Without a drafter the same engine does plain autoregressive decoding (the baseline).
 Acceptance: `verify.greedy_accept` (T = 0) or `verify.rejection_accept` (T > 0), the distributions from
@@ -17,9 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import UserError
-from ..models.common import DraftCache
 from ..verifier import make_runner
-from .sampling import process_logits, sample
+from .sampling import greedy, process_logits, sample
 from .verify import greedy_accept, rejection_accept
 
 
@@ -74,8 +75,9 @@ class Engine:
     """Generate with a verifier and an optional drafter (P-EAGLE or EAGLE-3).
 
     `compile=True` runs the verifier's decoding and verification steps through torch.compile (VerifierRunner.compile;
-    `compile_wanted` is the commands' rule); the first step of each kind pays the compilation, `compile_s` says how
-    long. On a CPU the projections take paradraft's kernel where it is built (kernels/, verifier/linear.py)."""
+    `compile_wanted` is the commands' rule), and P-EAGLE's drafting pass (compile_rows); the first step of each
+    kind pays the compilation, `compile_s` says how long. On a CPU the projections take paradraft's kernel where it
+    is built (kernels/, verifier/linear.py)."""
 
     def __init__(self, verifier, drafter=None, max_len: int = 4096, max_len_flag: str | None = None,
                  compile: bool = False):
@@ -89,6 +91,8 @@ class Engine:
         self.compiled = bool(compile) and hasattr(self.runner, "compile")
         if self.compiled:
             self.runner.compile()
+            if hasattr(drafter, "compile_rows"):  # P-EAGLE's pass on its row cache
+                drafter.compile_rows()
         self.vocab = verifier.config.vocab_size
         if drafter is not None:
             drafter.eval()
@@ -99,8 +103,9 @@ class Engine:
 
     @property
     def compile_s(self) -> float:
-        """Seconds this engine's steps spent compiling so far (0 when not compiled)."""
-        return getattr(self.runner, "compile_s", 0.0)
+        """Seconds this engine's steps (and its drafter's compiled passes, which engines sharing the drafter share)
+        spent compiling so far (0 when not compiled)."""
+        return getattr(self.runner, "compile_s", 0.0) + getattr(self.drafter, "compile_s", 0.0)
 
     # ----------------------------------------------------------------------------------------- the steps
 
@@ -112,13 +117,13 @@ class Engine:
 
     def _pick(self, probs: torch.Tensor, st: _State) -> torch.Tensor:
         """The sampling rule on processed probabilities [..., V]: argmax at T=0, else a draw."""
-        return probs.argmax(-1) if st.g.temperature <= 0 else sample(probs, st.gen)
+        return greedy(probs) if st.g.temperature <= 0 else sample(probs, st.gen)
 
     def _token(self, logits: torch.Tensor, st: _State) -> torch.Tensor:
         """The verifier's token from its logits [..., V] -> [...]. At T=0 the argmax of the logits, which is the
         argmax of process_logits' one-hot (the same first index) without building a [..., V] one-hot per step."""
         g = st.g
-        return logits.argmax(-1) if g.temperature <= 0 else self._pick(process_logits(logits, g.temperature, g.top_p,
+        return greedy(logits) if g.temperature <= 0 else self._pick(process_logits(logits, g.temperature, g.top_p,
                                                                                        g.top_k), st)
 
     def prefill(self, st: _State, prompts: list[list[int]]) -> None:
@@ -134,7 +139,7 @@ class Engine:
             x = int(self._token(logits[0, -1], st))
             st.emit(b, [x], accepted=None)
             if self.drafter is not None:
-                st.ctx[b] = (torch.tensor(p[1:] + [x], device=dev), aux[0].float(),
+                st.ctx[b] = (torch.tensor(p[1:] + [x], device=dev), aux[0],
                              torch.arange(1, len(p) + 1, device=dev))
 
     def plain_step(self, st: _State, active: list[int]) -> None:
@@ -150,15 +155,15 @@ class Engine:
     def draft(self, st: _State, active: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K draft tokens per active row from the drafter's protocol -> (draft [R, K] target ids, q [R, K, V])."""
         d = self.drafter
-        toks = torch.cat([st.ctx[r][0] for r in active])
-        hids = torch.cat([st.ctx[r][1] for r in active]).to(d.fc.weight.dtype)
-        pos = torch.cat([st.ctx[r][2] for r in active])
+        toks, hids, pos = (torch.cat([st.ctx[r][i] for r in active]) if len(active) > 1 else st.ctx[active[0]][i]
+                           for i in range(3))
+        hids = hids.to(d.fc.weight.dtype)
         counts = [int(st.ctx[r][0].numel()) for r in active]
         doc = torch.tensor(active, device=toks.device)  # each row is its own document in the shared drafter cache
 
         def choose(draft_logits):  # [..., Vd] -> (target ids [...], q [..., V], None at T=0: greedy needs no q)
             if st.g.temperature <= 0 and self.ascending:  # the first max in draft order is the first in target order
-                return self.draft_ids[draft_logits.argmax(-1)], None
+                return self.draft_ids[greedy(draft_logits)], None
             q = self._q(draft_logits, st.g)
             return self._pick(q, st), q
         return d.propose(toks, hids, pos, counts, doc, st.g.num_speculative_tokens, st.cache, choose)
@@ -188,7 +193,7 @@ class Engine:
             st.emit(b, new, accepted=m, draft_s=draft_s, verify_s=verify_s)
             last_pos = int(start[j])  # position of the pending token fed this round
             dev = aux.device
-            st.ctx[b] = (torch.tensor(new, device=dev), aux[j, :m + 1].float(),
+            st.ctx[b] = (torch.tensor(new, device=dev), aux[j, :m + 1],
                          torch.arange(last_pos + 1, last_pos + m + 2, device=dev))
 
     def speculative_step(self, st: _State, active: list[int]) -> None:
@@ -212,6 +217,8 @@ class Engine:
                                   f"on {limit} depths; draft at most {limit}")
         self.runner.alloc(len(prompts))
         st = _State(g, len(prompts), on_tokens, device=self.runner.device)
+        if self.drafter is not None:
+            st.cache = self.drafter.row_cache(len(prompts), self.runner.max_len, self.runner.device)
         self.prefill(st, prompts)
         active = [b for b in range(len(prompts)) if not st.finished(b)]
         while active:
@@ -239,7 +246,7 @@ class _State:
         self.res = [Result(token_ids=[]) for _ in range(batch)]
         self.pending = torch.zeros(batch, dtype=torch.long)
         self.ctx: list[tuple | None] = [None] * batch  # (tokens, hidden, positions) of new drafter context slots
-        self.cache = DraftCache()
+        self.cache = None  # the drafter's cache (Engine.generate: the drafter's row_cache)
         self.eos = set(g.eos_token_ids)
 
     def emit(self, b: int, new: list[int], accepted: int | None, draft_s: float = 0.0, verify_s: float = 0.0) -> None:

@@ -11,6 +11,11 @@ Nothing else. With only depth-0 elements this is plain causal attention within d
 
 The same rule drives: training (dense SDPA mask on CPU, flex_attention block mask on GPU), inference with a KV
 cache (the cache keeps each element's anchor/depth/doc), the tests and the benchmarks.
+
+At inference the rule has a second, equivalent form (`row_attention`): each row (document) keeps its own cache,
+and element (a, d) sits at position a + d of it. A row's context slots are consecutive positions and its drafts
+follow its last context slot (a + 1, ..., a + K - 1), so the keys at positions <= a + d are exactly the context at
+anchors <= a and the chain's depths <= d: the rule is causal attention by position within a row.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .. import kernels
 from ..utils import release_free_memory
 
 
@@ -138,6 +144,26 @@ def attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, q: Elements,
         # a long partition's prefix they held 2 GB that the loss could not reuse (utils.release_free_memory)
         release_free_memory()
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def row_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """The rule on row caches (the module docstring): q [R, n, H, D] (rotated), caches kc / vc [B, KVH, S, D] that
+    hold this pass's keys and values, rows [R] (each query row's cache row), idx [R, n] (each query's place in its
+    row) -> [R, n, H, D]. Query i of row r attends to places 0..idx[r, i] of row r.
+
+    On a CPU where paradraft's kernel is built, its decode_attention (n <= ATTENTION_QUERIES); elsewhere SDPA
+    with the causal mask of each row [R, 1, n, S]."""
+    R, n, H, D = q.shape
+    if (q.device.type == "cpu" and n <= kernels.ATTENTION_QUERIES and D % 16 == 0 and kc.dtype == q.dtype
+            and q.dtype in (torch.bfloat16, torch.float32) and kernels.available()):
+        return kernels.decode_attention(q.contiguous(), kc, vc, rows, idx, scale)
+    S = int(idx.max()) + 1  # places in use
+    k, v = kc[rows, :, :S], vc[rows, :, :S]  # [R, KVH, S, D]
+    mask = (torch.arange(S, device=q.device)[None, None, :] <= idx[:, :, None])[:, None]  # [R, 1, n, S]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+                                       enable_gqa=H != k.shape[1])  # [R, H, n, D]
+    return o.transpose(1, 2)
 
 
 def _masked_block(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, q: Elements, k: Elements,

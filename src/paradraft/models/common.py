@@ -9,7 +9,8 @@
 
 Parameter names are the ones vLLM's EAGLE-3 / P-EAGLE loader reads, so `state_dict()` is the checkpoint.
 Every forward works on a flat list of N *elements* (see attention.py) with explicit position ids; a
-`DraftCache` keeps the keys/values of elements already processed (inference).
+`DraftCache` keeps the keys/values of elements already processed. At inference a drafter may instead run on a
+`RowCache` (`run_rows`): each row its own cache, element (a, d) at position a + d, the same rule (attention.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ..config import ConfigError, field_defaults
 from ..data.vocab import draft_to_target_ids
 from ..verifier import default_aux_layers, flavour_of
 from ..verifier.linear import linear, linears
-from .attention import Elements, attention
+from .attention import Elements, attention, row_attention
 
 
 @dataclass
@@ -156,10 +157,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, elems: Elements, cache_kv, cache_elems: Elements | None, backend: str,
-                recompute: bool = False):
-        # x [N, in]; cos/sin [N, hd]; cache_kv: (k, v) [1, KVH, M, hd] of earlier elements or None; recompute: see
-        # attention()
+    def _qkv(self, x, cos, sin):
+        """x [N, in], cos/sin [N, hd] -> q [N, nh, hd], k / v [N, nkv, hd], q and k rotated."""
         n = x.shape[0]
         # projections through verifier.linear: drafting (a few rows, no gradient) gets its small-M rule
         q, k, v = linears([self.q_proj, self.k_proj, self.v_proj], x)  # one kernel call where it applies
@@ -167,8 +166,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         c, s = cos[:, None, :], sin[:, None, :]
-        q = q * c + _rotate_half(q) * s
-        k = k * c + _rotate_half(k) * s
+        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v
+
+    def forward(self, x, cos, sin, elems: Elements, cache_kv, cache_elems: Elements | None, backend: str,
+                recompute: bool = False):
+        # x [N, in]; cos/sin [N, hd]; cache_kv: (k, v) [1, KVH, M, hd] of earlier elements or None; recompute: see
+        # attention()
+        n = x.shape[0]
+        q, k, v = self._qkv(x, cos, sin)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, N, hd]
         if cache_kv is not None:
             k_all, v_all = torch.cat([cache_kv[0], k], dim=2), torch.cat([cache_kv[1], v], dim=2)
@@ -179,6 +184,18 @@ class Attention(nn.Module):
                         recompute=recompute)
         out = out.squeeze(0).transpose(0, 1).reshape(n, self.nh * self.hd)  # [N, H*hd]
         return linear(self.o_proj, out), (k, v)
+
+    def step(self, x, cos, sin, kc, vc, rows, idx):
+        """Inference on a RowCache: x [R*n, in], cos/sin [R*n, hd], this layer's kc / vc [B, KVH, S, hd] (this
+        pass's keys and values are written at idx), rows [R], idx [R, n] (each element's place in its row)
+        -> [R*n, H]."""
+        R, n = idx.shape
+        q, k, v = self._qkv(x, cos, sin)
+        at = rows[:, None].expand(R, n)
+        kc[at, :, idx] = k.view(R, n, self.nkv, self.hd)  # [R, n, KVH, hd] into [B, KVH, S, hd]
+        vc[at, :, idx] = v.view(R, n, self.nkv, self.hd)
+        out = row_attention(q.view(R, n, self.nh, self.hd), kc, vc, rows, idx, 1.0 / math.sqrt(self.hd))
+        return linear(self.o_proj, out.reshape(R * n, self.nh * self.hd))
 
 
 class MLP(nn.Module):
@@ -209,6 +226,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, h, emb, cos, sin, elems, cache_kv, cache_elems, backend, recompute=False):
+        return self._around(h, emb, lambda x: self.self_attn(x, cos, sin, elems, cache_kv, cache_elems, backend,
+                                                             recompute))
+
+    def step(self, h, emb, cos, sin, kc, vc, rows, idx):
+        """Inference on a RowCache (Attention.step): h, emb [R*n, H] -> [R*n, H]."""
+        return self._around(h, emb, lambda x: (self.self_attn.step(x, cos, sin, kc, vc, rows, idx), None))[0]
+
+    def _around(self, h, emb, attend):
+        """The layer around its attention: attend(x [N, in]) -> (out [N, H], kv) -> (h [N, H], kv)."""
         if self.first:
             hn = self.hidden_norm(h)
             residual = hn if self.norm_before_residual else h
@@ -216,7 +242,7 @@ class DecoderLayer(nn.Module):
         else:
             residual = h
             x = self.input_layernorm(h)
-        a, kv = self.self_attn(x, cos, sin, elems, cache_kv, cache_elems, backend, recompute)
+        a, kv = attend(x)
         h = residual + a
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, kv
@@ -258,6 +284,23 @@ class DraftCache:
             return
         self.kv = [(k.index_select(2, idx.to(k.device)), v.index_select(2, idx.to(v.device))) for k, v in self.kv]
         self.elems = self.elems.select(idx)
+
+
+class RowCache:
+    """A drafter's keys and values at inference, by row: per layer (k, v) [B, KVH, S, hd]. Element (anchor a,
+    depth d) of row r sits at place a + d - origin[r] of row r, where origin[r] is the position of the row's first
+    context slot (attention.py: the rule is then causal attention by place within a row). Each call's context
+    slots must continue the row's earlier ones (consecutive positions, as the engine feeds them); its drafts and
+    any padding are written after them and are stale, never read, once the next context overwrites them."""
+
+    def __init__(self, cfg: "DraftConfig", batch: int, places: int, device, dtype):
+        shape = (batch, cfg.num_key_value_heads, places, cfg.head_dim)  # [B, KVH, S, hd]
+        self.kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                   for _ in range(cfg.num_layers)]
+        self.origin = torch.full((batch,), -1, dtype=torch.long, device=device)  # -1: the row has no context yet
+
+    def keep_docs(self, docs: list[int]) -> None:
+        """Rows never attend to each other's places: a finished row needs no removal (DraftCache's interface)."""
 
 
 class DraftModel(nn.Module):
@@ -447,6 +490,22 @@ class DraftModel(nn.Module):
                           cache is not None and cache.recompute_masks and torch.is_grad_enabled())
             new_kv.append(kv)
         return h, new_kv
+
+    def row_cache(self, batch: int, max_len: int, device=None) -> "RowCache | DraftCache":
+        """The cache the engine drafts with for `batch` rows of up to `max_len` positions: a RowCache where the
+        algorithm drafts on one (`run_rows`), else a DraftCache."""
+        return DraftCache()
+
+    def run_rows(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor,
+                 rows: torch.Tensor, kv: list) -> torch.Tensor:
+        """The layers on a RowCache's kv: emb, hidden [R, n, H] (projected), positions [R, n] (rotary), idx [R, n]
+        (places in the rows) -> prenorm hidden [R, n, H]."""
+        R, n, H = emb.shape
+        cos, sin = self.rotary(positions.reshape(-1), emb.dtype)  # [R*n, hd]
+        h, e = hidden.reshape(R * n, H), emb.reshape(R * n, H)
+        for layer, (kc, vc) in zip(self.layers, kv):
+            h = layer.step(h, e, cos, sin, kc, vc, rows, idx)
+        return h.view(R, n, H)
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits [N, Vd] from prenorm hidden states [N, H]."""

@@ -7,13 +7,16 @@ Drop-token (COD) sampling and the attention rule of attention.py.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
+from .. import kernels
 from ..config import ConfigError
 from ..data.vocab import template_special_ids
 from .attention import Elements
-from .common import DraftCache, DraftConfig, DraftModel
+from .common import DraftCache, DraftConfig, DraftModel, RowCache
 from .loss import SlotBatch, depth_reduce, draft_loss, element_targets
 from .registry import register
 
@@ -157,8 +160,15 @@ class PEagleDrafter(DraftModel):
         return self.cfg.num_depths
 
     def propose(self, tokens, hidden, positions, counts, doc, k, cache, choose):
-        """ONE drafter pass drafts all k positions of every row."""
-        return choose(self.draft(tokens, hidden, positions, k, cache, doc=doc, counts=counts))  # [R, k], [R, k, V]
+        """ONE drafter pass drafts all k positions of every row (on a RowCache: `draft_rows`)."""
+        if isinstance(cache, RowCache):
+            return choose(self.draft_rows(tokens, hidden, positions, counts, doc, k, cache))  # [R, k], [R, k, V]
+        return choose(self.draft(tokens, hidden, positions, k, cache, doc=doc, counts=counts))
+
+    def row_cache(self, batch: int, max_len: int, device=None) -> RowCache:
+        # a pass writes up to K - 1 drafts and K padding places after a row's context (draft_rows)
+        places = max_len + 2 * (self.cfg.num_depths or 16) + 2
+        return RowCache(self.cfg, batch, places, device or self.fc.weight.device, self.fc.weight.dtype)
 
     def __init__(self, cfg: DraftConfig):
         if cfg.mask_token_id is None:
@@ -167,6 +177,9 @@ class PEagleDrafter(DraftModel):
         H = cfg.hidden_size
         self.mask_embedding = nn.Parameter(torch.zeros(H))  # written to embed_tokens.weight[mask_token_id]
         self.mask_hidden = nn.Parameter(torch.randn(1, 3 * cfg.verifier_hidden) * 0.02)
+        self._compiled_rows = None  # compile_rows()
+        self._compiled_kinds: set[bool] = set()
+        self.compile_s = 0.0  # seconds draft_rows' compiled passes spent compiling
 
     def init_from_verifier(self, verifier, d2t, t2d, norm: bool = False) -> None:
         super().init_from_verifier(verifier, d2t, t2d, norm)
@@ -224,6 +237,70 @@ class PEagleDrafter(DraftModel):
                                                anchors=anchors, out_of_vocab=out_of_vocab, prefix=prefix,
                                                counts=counts, context_kv=context_kv)
         return loss, stats
+
+    def draft_rows(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, counts: list[int],
+                   rows: torch.Tensor, k: int, cache: RowCache) -> torch.Tensor:
+        """`draft` on a RowCache (attention.py's second form of the rule): the same draft logits [R, k, Vd].
+
+        Row r (cache row rows[r]) has counts[r] new context slots of tokens [n], hidden [n, 3Hv], positions [n]
+        (concatenated, each row's continuing its earlier ones). Its k - 1 mask slots follow its last context slot,
+        and a row with fewer slots than the most is padded after them (mask slots, whose places are never read),
+        so the pass is one block of [R, max(counts) + k - 1] elements. A block of more than ATTENTION_QUERIES
+        elements per row (a prompt's first pass) runs row by row: padding ragged prompts would cost more than it
+        saves.
+        """
+        R, c_max = len(counts), max(counts)
+        n = c_max + k - 1
+        if R > 1 and n > kernels.ATTENTION_QUERIES:
+            ends = [0, *torch.tensor(counts).cumsum(0).tolist()]
+            return torch.cat([self.draft_rows(tokens[a:b], hidden[a:b], positions[a:b], [b - a], rows[r:r + 1], k,
+                                              cache) for r, (a, b) in enumerate(zip(ends, ends[1:]))])
+        dev = tokens.device
+        args = (tokens, hidden, positions, torch.tensor(counts, device=dev), torch.arange(n, device=dev), rows,
+                cache.origin, cache.kv, k)
+        if self._compiled_rows is None or n > kernels.ATTENTION_QUERIES:  # a prompt's pass stays eager
+            return self._rows_pass(*args)
+        for t in args[:7]:  # slots, rows, elements per row and the batch vary from pass to pass and call to call
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        for kc, vc in cache.kv:  # a generate call's rows and places
+            for t in (kc, vc):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+                torch._dynamo.maybe_mark_dynamic(t, 2)
+        kind = R > 1
+        t0 = time.perf_counter()
+        out = self._compiled_rows(*args)
+        if kind not in self._compiled_kinds:
+            self._compiled_kinds.add(kind)
+            self.compile_s += time.perf_counter() - t0
+        return out
+
+    def compile_rows(self) -> None:
+        """Compile `draft_rows`' pass (torch.compile, inductor) for passes of up to ATTENTION_QUERIES elements per
+        row: its ~100 small operations cost more than its weights' read on a CPU. The first pass of one row and of
+        several pays the compilation, added to `compile_s`."""
+        if self._compiled_rows is None:
+            self._compiled_rows = torch.compile(self._rows_pass, dynamic=None)
+
+    def _rows_pass(self, tokens, hidden, positions, c, j, rows, origins, kv, k: int) -> torch.Tensor:
+        """draft_rows' pass: the new slots tokens [N], hidden [N, 3Hv], positions [N], c [R] of them each row's,
+        j = arange(n) (elements per row: max(c) + k - 1), rows [R], the RowCache's origin [B] (updated) and kv
+        -> logits [R, k, Vd]."""
+        R, n = c.shape[0], j.shape[0]
+        first = c.cumsum(0) - c  # [R] each row's first slot in tokens
+        last = positions[first + c - 1]  # [R] each row's last context position: its drafts' anchor
+        ctx = j[None] < c[:, None]  # [R, n]: context slots, then k - 1 drafts, then padding
+        src = (first[:, None] + j[None]).clamp(max=tokens.shape[0] - 1)  # [R, n] index into the new slots
+        pos = torch.where(ctx, positions[src], last[:, None] + 1 + j[None] - c[:, None])  # [R, n] anchor + depth
+        origin = origins[rows]
+        origin = torch.where(origin < 0, positions[first], origin)  # [R] a row's first pass sets its origin
+        origins[rows] = origin
+        tok = torch.where(ctx, tokens[src], self.cfg.mask_token_id)  # [R, n]
+        hid = torch.where(ctx[..., None], hidden[src], self.mask_hidden.to(hidden.dtype))  # [R, n, 3Hv]
+        emb = self.embed(tok.reshape(R * n)).view(R, n, -1)  # [R, n, H]
+        h = self.run_rows(emb, self.project(hid.reshape(R * n, -1)).view(R, n, -1), pos, pos - origin[:, None],
+                          rows, kv)  # [R, n, H]
+        take = (c - 1)[:, None] + torch.arange(k, device=c.device)[None]  # [R, k]: the last context slot, drafts
+        return self.logits(h[torch.arange(R, device=c.device)[:, None], take])  # [R, k, Vd]
 
     def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, k: int,
               cache: DraftCache | None = None, doc: torch.Tensor | None = None,
