@@ -252,17 +252,21 @@ def _attention_reference(q, kc, vc, rows, pos, scale, window=0, sinks=None):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_equals_softmax_attention(dtype):
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_decode_attention_equals_softmax_attention(dtype, D):
     """Rows of the cache in any order and a subset, 1 and several queries (a verification step's causal
-    positions), heads sharing kv heads, key counts off the blocks of 4 and 16, a window, sinks."""
+    positions), heads sharing kv heads, key counts off the blocks of 4 and 16, a window, sinks, the cache's last
+    keys. In bf16 with D a multiple of 64 every case takes the AMX path (on AMX hosts: a task per kv head of up to 16
+    query rows, 1..5 queries x 3 heads; per head for 16 queries), with D = 32 the float32 loops."""
     g = torch.Generator().manual_seed(0)
-    B, KVH, S_max, D, H = 3, 2, 70, 32, 6
+    B, KVH, S_max, H = 3, 2, 70, 6
     kc = torch.randn(B, KVH, S_max, D, generator=g).to(dtype)
     vc = torch.randn(B, KVH, S_max, D, generator=g).to(dtype)
     sinks5 = torch.randn(H, generator=g)
     for n, rows, starts, window, sinks in ((1, [0, 1, 2], [0, 5, 66], 0, None), (4, [2, 0], [17, 33], 0, None),
                                            (3, [1], [40], 9, None), (5, [0, 2], [3, 50], 0, sinks5),
-                                           (16, [1], [51], 0, None)):
+                                           (16, [1], [51], 0, None), (2, [0, 1, 2, 0], [60, 7, 30, 66], 0, None),
+                                           (4, [2], [66], 20, sinks5)):
         q = torch.randn(len(rows), n, H, D, generator=g).to(dtype)
         pos = torch.tensor(starts)[:, None] + torch.arange(n)[None]  # [B', n]
         r = torch.tensor(rows)
