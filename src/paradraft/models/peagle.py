@@ -15,6 +15,7 @@ from torch import nn
 from .. import kernels
 from ..config import ConfigError
 from ..data.vocab import template_special_ids
+from ..utils import compile_step
 from .attention import Elements
 from .common import DraftCache, DraftConfig, DraftModel, RowCache
 from .loss import SlotBatch, depth_reduce, draft_loss, element_targets
@@ -279,7 +280,7 @@ class PEagleDrafter(DraftModel):
         row: its ~100 small operations cost more than its weights' read on a CPU. The first pass of one row and of
         several pays the compilation, added to `compile_s`."""
         if self._compiled_rows is None:
-            self._compiled_rows = torch.compile(self._rows_pass, dynamic=None)
+            self._compiled_rows = compile_step(self._rows_pass)  # this drafter's own code, its modules unguarded
 
     def _rows_pass(self, tokens, hidden, positions, c, j, rows, origins, kv, k: int) -> torch.Tensor:
         """draft_rows' pass: the new slots tokens [N], hidden [N, 3Hv], positions [N], c [R] of them each row's,

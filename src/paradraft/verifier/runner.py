@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from ..utils import compile_step
 from .adapters import adapter_for
 from .linear import GATED_MLPS, TILE_ROWS, linear, linears, mlp
 
@@ -87,7 +88,9 @@ class VerifierRunner:
         to compile (BENCHMARKS.md, "The engine at the machine's limit"). Rows and keys in use are dynamic, so a run
         compiles once per kind of step (decoding, verifying K+1, one row or several); the first such step pays it
         (~25 s on 2 cores, ~4 s where inductor's on-disk cache already holds it), recorded in `compile_s`."""
-        self._compiled = (torch.compile(self._layers, dynamic=None), torch.compile(self._head, dynamic=None))
+        # (utils.compile_step: this runner's own code, its model's modules unguarded). One-token steps (decoding)
+        # and multi-token steps (verification) each have their own, so that neither checks the other's guards first
+        self._compiled = {one: (compile_step(self._layers), compile_step(self._head)) for one in (True, False)}
         self._mark_batch_dynamic()
 
     def _mark_batch_dynamic(self) -> None:
@@ -115,8 +118,14 @@ class VerifierRunner:
         """_pack_tiles' work: every projection of the model packed."""
 
         def pack(modules):
-            tiles = [kernels.pack_tiles(m.weight) if type(m) is torch.nn.Linear else None for m in modules]
-            return None if any(t is None for t in tiles) else tiles
+            # the modules' weights as ONE packed weight (q|k|v, gate|up: the outputs side by side, as `linears` reads
+            # them): a compiled step's guards check every tensor it is given, per call (7 packed tensors a layer
+            # cost ~0.4 ms of guards per verification step of the embedded verifier)
+            if any(type(m) is not torch.nn.Linear for m in modules):
+                return None
+            w = modules[0].weight if len(modules) == 1 else torch.cat([m.weight for m in modules])
+            tiles = kernels.pack_tiles(w)
+            return None if tiles is None else [tiles]
 
         layers = []
         for layer in self.inner.layers:
@@ -179,7 +188,8 @@ class VerifierRunner:
         key_pos = torch.arange(S, device=self.device)[None, None, :]
         causal = (key_pos <= pos[:, :, None])[:, None]
         ridx = rows[:, None].expand(Bq, n)
-        compiled = self._compiled if n <= 16 and not last_only else None  # a prefill (last_only) stays eager
+        compiled = self._compiled[n == 1] if self._compiled and n <= 16 and not last_only else None  # (a prefill
+        # stays eager)
         all_rows = Bq == B
         kind = (n, Bq > 1, all_rows)  # what makes another compilation
         t0 = time.perf_counter()
