@@ -27,6 +27,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -724,7 +726,12 @@ void run_attention(const T* q, const T* kc, const T* vc, T* out, const int64_t* 
   // units than 4 per thread (a batch of 1), a unit per head, so that the threads share the work evenly.
   bool tiles = false;
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
-  tiles = std::is_same<T, c10::BFloat16>::value && D % 64 == 0 && amx_permitted();
+  // $PARADRAFT_ATTENTION_TILES=off keeps bf16 in the float32 loops (benchmarks/bench_decode_attention.py compares)
+  static const bool tiles_off = [] {
+    const char* e = std::getenv("PARADRAFT_ATTENTION_TILES");
+    return e != nullptr && std::string(e) == "off";
+  }();
+  tiles = std::is_same<T, c10::BFloat16>::value && D % 64 == 0 && !tiles_off && amx_permitted();
 #endif
   int64_t Gu = Bq * KVH >= 4 * at::get_num_threads() ? G : 1;  // heads per unit
   if (tiles)
