@@ -400,7 +400,7 @@ def test_peagle_row_cache_drafts_what_the_element_cache_drafts(flavour, kernel, 
     passes = [[15, 13], [2, 1], [1, 3], [4, 1], [3, 1]]  # new context slots of rows (0, 1) per pass
     rows = torch.tensor([1, 0])  # rows 0 and 1 sit in cache rows 1 and 0
     with torch.no_grad():
-        elems, places = DraftCache(), model.row_cache(2, 64)
+        elems, places = DraftCache(), model.row_cache(2, 64, K)
         assert isinstance(places, RowCache)
         done = {0: 0, 1: 0}
         for counts in passes:

@@ -218,7 +218,8 @@ class Engine:
         self.runner.alloc(len(prompts))
         st = _State(g, len(prompts), on_tokens, device=self.runner.device)
         if self.drafter is not None:
-            st.cache = self.drafter.row_cache(len(prompts), self.runner.max_len, self.runner.device)
+            st.cache = self.drafter.row_cache(len(prompts), self.runner.max_len, g.num_speculative_tokens,
+                                              self.runner.device)
         self.prefill(st, prompts)
         active = [b for b in range(len(prompts)) if not st.finished(b)]
         while active:

@@ -491,9 +491,9 @@ class DraftModel(nn.Module):
             new_kv.append(kv)
         return h, new_kv
 
-    def row_cache(self, batch: int, max_len: int, device=None) -> "RowCache | DraftCache":
-        """The cache the engine drafts with for `batch` rows of up to `max_len` positions: a RowCache where the
-        algorithm drafts on one (`run_rows`), else a DraftCache."""
+    def row_cache(self, batch: int, max_len: int, k: int, device=None) -> "RowCache | DraftCache":
+        """The cache the engine drafts with for `batch` rows of up to `max_len` positions, k drafts a pass: a
+        RowCache where the algorithm drafts on one (`run_rows`), else a DraftCache."""
         return DraftCache()
 
     def run_rows(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor,

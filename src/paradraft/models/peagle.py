@@ -166,9 +166,9 @@ class PEagleDrafter(DraftModel):
             return choose(self.draft_rows(tokens, hidden, positions, counts, doc, k, cache))  # [R, k], [R, k, V]
         return choose(self.draft(tokens, hidden, positions, k, cache, doc=doc, counts=counts))
 
-    def row_cache(self, batch: int, max_len: int, device=None) -> RowCache:
-        # a pass writes up to K - 1 drafts and K padding places after a row's context (draft_rows)
-        places = max_len + 2 * (self.cfg.num_depths or 16) + 2
+    def row_cache(self, batch: int, max_len: int, k: int, device=None) -> RowCache:
+        # a pass writes up to k - 1 drafts and k padding places after a row's context (draft_rows)
+        places = max_len + 2 * k + 2
         return RowCache(self.cfg, batch, places, device or self.fc.weight.device, self.fc.weight.dtype)
 
     def __init__(self, cfg: DraftConfig):
