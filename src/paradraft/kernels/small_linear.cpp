@@ -476,6 +476,27 @@ inline __m512 exp_neg(__m512 x) {
   return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, k));
 }
 
+// the softmax of one query's scores sr over its visible keys [a, b) (scaled by `scale`; a sink's logit, if any, in
+// the denominator): sr[a, b) becomes exp(scale * s - max), and the normalizer 1 / sum is returned
+inline float softmax_exp(float* sr, int64_t a, int64_t b, float scale, const float* sink) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = a; t < b; t += 16) {
+    __mmask16 m = (__mmask16)(b - t >= 16 ? 0xFFFF : (1u << (b - t)) - 1);
+    mv = _mm512_mask_max_ps(mv, m, mv, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + t), sc));
+  }
+  float mx = _mm512_reduce_max_ps(mv);
+  if (sink) mx = std::max(mx, *sink);
+  __m512 sum = _mm512_setzero_ps(), mxv = _mm512_set1_ps(mx);
+  for (int64_t t = a; t < b; t += 16) {
+    __mmask16 m = (__mmask16)(b - t >= 16 ? 0xFFFF : (1u << (b - t)) - 1);
+    __m512 e = _mm512_maskz_mov_ps(m, exp_neg(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, sr + t), sc, mxv)));
+    _mm512_mask_storeu_ps(sr + t, m, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return 1.0f / (_mm512_reduce_add_ps(sum) + (sink ? std::exp(*sink - mx) : 0.0f));
+}
+
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t D) {  // D a multiple of 16
   for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
@@ -527,26 +548,10 @@ void attend_group(const float* qf, int64_t R, int64_t D, const T* k, const T* v,
     }
   }
   // softmax of each query over its visible keys (and its sink's logit in the denominator); 0 elsewhere
-  const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * W;
     const int64_t a = lo[r] - j0, b = hi[r] + 1 - j0;  // [a, b) visible
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = a; t < b; t += 16) {
-      __mmask16 m = (__mmask16)(b - t >= 16 ? 0xFFFF : (1u << (b - t)) - 1);
-      mv = _mm512_mask_max_ps(mv, m, mv, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + t), sc));
-    }
-    float mx = _mm512_reduce_max_ps(mv);
-    if (sink) mx = std::max(mx, sink[r]);
-    __m512 sum = _mm512_setzero_ps(), mxv = _mm512_set1_ps(mx);
-    for (int64_t t = a; t < b; t += 16) {
-      __mmask16 m = (__mmask16)(b - t >= 16 ? 0xFFFF : (1u << (b - t)) - 1);
-      __m512 e = _mm512_maskz_mov_ps(m, exp_neg(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, sr + t), sc, mxv)));
-      _mm512_mask_storeu_ps(sr + t, m, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    float total = _mm512_reduce_add_ps(sum) + (sink ? std::exp(sink[r] - mx) : 0.0f);
-    __m512 inv = _mm512_set1_ps(1.0f / total);
+    const __m512 inv = _mm512_set1_ps(softmax_exp(sr, a, b, scale, sink ? sink + r : nullptr));
     for (int64_t t = a; t < b; t += 16) {
       __mmask16 m = (__mmask16)(b - t >= 16 ? 0xFFFF : (1u << (b - t)) - 1);
       _mm512_mask_storeu_ps(sr + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + t), inv));
@@ -643,26 +648,10 @@ void attend_group_amx(const c10::BFloat16* const* q, int64_t R, int64_t D, const
       _mm512_mask_storeu_ps(s + r * W + (j - j0), m, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, col, tmp + r, 4));
   }
   // softmax of each query over its visible keys (and its sink's logit in the denominator); 0 elsewhere; P in bf16
-  const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * W;
     const int64_t a = lo[r] - j0, b = hi[r] + 1 - j0;  // [a, b) visible
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = a; t < b; t += 16) {
-      __mmask16 m = (__mmask16)(b - t >= 16 ? 0xFFFF : (1u << (b - t)) - 1);
-      mv = _mm512_mask_max_ps(mv, m, mv, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + t), sc));
-    }
-    float mx = _mm512_reduce_max_ps(mv);
-    if (sink) mx = std::max(mx, sink[r]);
-    __m512 sum = _mm512_setzero_ps(), mxv = _mm512_set1_ps(mx);
-    for (int64_t t = a; t < b; t += 16) {
-      __mmask16 m = (__mmask16)(b - t >= 16 ? 0xFFFF : (1u << (b - t)) - 1);
-      __m512 e = _mm512_maskz_mov_ps(m, exp_neg(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, sr + t), sc, mxv)));
-      _mm512_mask_storeu_ps(sr + t, m, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    float total = _mm512_reduce_add_ps(sum) + (sink ? std::exp(sink[r] - mx) : 0.0f);
-    __m512 inv = _mm512_set1_ps(1.0f / total);
+    const __m512 inv = _mm512_set1_ps(softmax_exp(sr, a, b, scale, sink ? sink + r : nullptr));
     c10::BFloat16* pr = pb + r * Wp;
     for (int64_t t = 0; t < Wp; t += 16) {
       // [a, b) scaled, everything else 0 (the padding to Wp included)
