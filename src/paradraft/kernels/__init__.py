@@ -172,6 +172,14 @@ def tile_linear(x: torch.Tensor, tiles: list[torch.Tensor]) -> torch.Tensor:
 ATTENTION_QUERIES = 16  # the most queries per row decode_attention takes
 
 
+def attends(device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `decode_attention` serves attention on this device, dtype and head size (the one rule the verifier's
+    runner and the drafter's row attention share): a CPU where the kernel is built, bf16 or float32, head size a
+    multiple of 16."""
+    return (torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float32) and head_dim % 16 == 0
+            and available())
+
+
 def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                      scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The attention of a decoding or verification step on the cache as it is: q [B', n, H, D] (rotated),

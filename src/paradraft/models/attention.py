@@ -155,8 +155,7 @@ def row_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: tor
     On a CPU where paradraft's kernel is built, its decode_attention (n <= ATTENTION_QUERIES); elsewhere SDPA
     with the causal mask of each row [R, 1, n, S]."""
     R, n, H, D = q.shape
-    if (q.device.type == "cpu" and n <= kernels.ATTENTION_QUERIES and D % 16 == 0 and kc.dtype == q.dtype
-            and q.dtype in (torch.bfloat16, torch.float32) and kernels.available()):
+    if n <= kernels.ATTENTION_QUERIES and kc.dtype == q.dtype and kernels.attends(q.device, q.dtype, D):
         return kernels.decode_attention(q.contiguous(), kc, vc, rows, idx, scale)
     S = int(idx.max()) + 1  # places in use
     k, v = kc[rows, :, :S], vc[rows, :, :S]  # [R, KVH, S, D]

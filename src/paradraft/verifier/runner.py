@@ -70,8 +70,7 @@ class VerifierRunner:
         self._tiles_pending = (self.dtype == torch.bfloat16 and self.device.type == "cpu"
                                and kernels.tiles_available())
         # decoding and verification steps attend through paradraft's kernel on a CPU where it is built (_attend)
-        self.attention_kernel = (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
-                                 and self.hd % 16 == 0 and kernels.available())
+        self.attention_kernel = kernels.attends(self.device, self.dtype, self.hd)
         self.max_len = max_len
         self._compiled = None  # (layers, head) compiled by compile()
         # layers per compiled group: ~10 (equal groups); one group's code serves every group
