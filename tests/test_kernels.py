@@ -279,3 +279,55 @@ def test_decode_attention_equals_softmax_attention(dtype, D):
         kernels.decode_attention(q, kc, vc, r, pos + S_max, 0.125)
     with pytest.raises(RuntimeError, match="1..16 queries"):
         kernels.decode_attention(torch.zeros(1, 17, H, D, dtype=dtype), kc, vc, r, torch.zeros(1, 17), 0.125)
+
+
+def _anon_huge_kb(addr: int) -> int | None:
+    """AnonHugePages (kB) of the mapping of /proc/self/smaps holding addr; None where smaps is not readable."""
+    try:
+        text = open("/proc/self/smaps").read()
+    except OSError:
+        return None
+    inside = False
+    for line in text.splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return None
+
+
+def test_weights_move_to_huge_pages_keeping_parameters_values_and_ties(monkeypatch):
+    torch.manual_seed(0)
+    emb = nn.Embedding(2048, 512)  # 4 MiB in float32
+    head = nn.Linear(512, 2048, bias=False)
+    head.weight = emb.weight  # tied, as the embedded verifier's lm_head
+    model = nn.Sequential(emb, nn.Linear(512, 512), head)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = list(model.parameters())
+    kernels.move_to_huge_pages(model)
+    assert list(model.parameters()) == params  # the same Parameter objects (an optimizer's keys, the ties)
+    assert model[2].weight is model[0].weight
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) and p.requires_grad
+    ptrs = [p.data_ptr() for p in params]
+    assert ptrs[0] % (2 << 20) == 0  # the first on a huge page's boundary, the rest after it in one buffer
+    assert all(p % 64 == 0 for p in ptrs) and max(ptrs) - min(ptrs) < 8 << 20
+    kernels.move_to_huge_pages(model)  # once per module
+    assert [p.data_ptr() for p in params] == ptrs
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        mode = "[never]"
+    huge = _anon_huge_kb(ptrs[0])
+    if "[never]" not in mode and huge is not None:  # Linux backed the buffer with 2 MiB pages
+        assert huge >= 2048
+    # too small for one huge page, mixed dtypes, or switched off: the tensors themselves
+    small = [torch.ones(10)]
+    assert kernels.on_huge_pages(small)[0] is small[0]
+    big = [torch.ones(1 << 20), torch.ones(1 << 20, dtype=torch.bfloat16)]
+    assert all(a is b for a, b in zip(kernels.on_huge_pages(big), big))
+    monkeypatch.setenv(kernels.HUGE_PAGES_ENV, "off")
+    big = [torch.ones(1 << 20)]
+    assert kernels.on_huge_pages(big)[0] is big[0]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import kernels
 from ..errors import UserError
 from ..verifier import make_runner
 from .sampling import greedy, process_logits, sample
@@ -96,6 +97,8 @@ class Engine:
         self.vocab = verifier.config.vocab_size
         if drafter is not None:
             drafter.eval()
+            if self.runner.device.type == "cpu":
+                kernels.move_to_huge_pages(drafter)  # its pass streams its weights too (kernels.on_huge_pages)
             self.draft_ids = drafter.d2t + torch.arange(len(drafter.d2t), device=drafter.d2t.device)  # [Vd]
             # draft ids in ascending target id (paradraft's and speculators' vocabularies): at T=0 the draft argmax
             # maps to the argmax of the full-vocabulary q without building it
@@ -146,20 +149,23 @@ class Engine:
         """One verifier pass of plain decoding: one new token per active row."""
         dev = self.runner.device
         t0 = time.perf_counter()
-        logits, _ = self.runner.forward(st.pending[active][:, None].to(dev), rows=torch.tensor(active, device=dev))
-        nxt = self._token(logits[:, 0], st)
+        inp = torch.tensor([[st.pending[b]] for b in active], device=dev)  # [R, 1]
+        logits, _ = self.runner.forward(inp, rows=st.rows(active, dev))
+        nxt = self._token(logits[:, 0], st).tolist()
         dt = time.perf_counter() - t0
         for j, b in enumerate(active):
-            st.emit(b, [int(nxt[j])], accepted=0, verify_s=dt)
+            st.emit(b, [nxt[j]], accepted=0, verify_s=dt)
 
     def draft(self, st: _State, active: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K draft tokens per active row from the drafter's protocol -> (draft [R, K] target ids, q [R, K, V])."""
         d = self.drafter
-        toks, hids, pos = (torch.cat([st.ctx[r][i] for r in active]) if len(active) > 1 else st.ctx[active[0]][i]
-                           for i in range(3))
+        if len(active) == 1:
+            toks, hids, pos = st.ctx[active[0]]
+        else:
+            toks, hids, pos = (torch.cat([st.ctx[r][i] for r in active]) for i in range(3))
         hids = hids.to(d.fc.weight.dtype)
-        counts = [int(st.ctx[r][0].numel()) for r in active]
-        doc = torch.tensor(active, device=toks.device)  # each row is its own document in the shared drafter cache
+        counts = [st.ctx[r][0].shape[0] for r in active]
+        doc = st.rows(active, toks.device)  # each row is its own document in the shared drafter cache
 
         def choose(draft_logits):  # [..., Vd] -> (target ids [...], q [..., V], None at T=0: greedy needs no q)
             if st.g.temperature <= 0 and self.ascending:  # the first max in draft order is the first in target order
@@ -172,9 +178,9 @@ class Engine:
         """One verifier pass over [pending, drafts] per row; the acceptance rule; rejected drafts rolled back.
         -> (n_acc [R], next token [R], aux hidden states [R, K+1, 3H])."""
         g, dev = st.g, self.runner.device
-        rows = torch.tensor(active, device=dev)
-        start = self.runner.lengths[rows].clone()
-        inp = torch.cat([st.pending[active][:, None], draft], 1).to(dev)  # [R, K+1]
+        rows = st.rows(active, dev)
+        start = self.runner.lengths[rows]  # [R] (a copy: indexed by a tensor)
+        inp = torch.cat([torch.tensor([[st.pending[b]] for b in active], device=dev), draft.to(dev)], 1)  # [R, K+1]
         logits, aux = self.runner.forward(inp, rows=rows)
         if g.temperature <= 0:
             n_acc, nxt = greedy_accept(draft, self._token(logits, st))  # [R, K+1] argmax
@@ -187,12 +193,13 @@ class Engine:
     def accept(self, st: _State, active: list[int], draft, n_acc, nxt, aux, start, draft_s: float,
                verify_s: float) -> None:
         """Emit each row's accepted drafts + the verifier's token; the drafter's next context slots."""
+        dev = aux.device
+        drafts, n_acc, nxt, start = draft.tolist(), n_acc.tolist(), nxt.tolist(), start.tolist()  # one read each
         for j, b in enumerate(active):
-            m = int(n_acc[j])
-            new = draft[j, :m].tolist() + [int(nxt[j])]
+            m = n_acc[j]
+            new = drafts[j][:m] + [nxt[j]]
             st.emit(b, new, accepted=m, draft_s=draft_s, verify_s=verify_s)
-            last_pos = int(start[j])  # position of the pending token fed this round
-            dev = aux.device
+            last_pos = start[j]  # position of the pending token fed this round
             st.ctx[b] = (torch.tensor(new, device=dev), aux[j, :m + 1],
                          torch.arange(last_pos + 1, last_pos + m + 2, device=dev))
 
@@ -245,10 +252,17 @@ class _State:
         self.g, self.on_tokens = g, on_tokens
         self.gen = torch.Generator(device=device).manual_seed(g.seed)  # on the device its samples are drawn on
         self.res = [Result(token_ids=[]) for _ in range(batch)]
-        self.pending = torch.zeros(batch, dtype=torch.long)
+        self.pending = [0] * batch  # each row's last token, fed to the verifier next
+        self._rows: tuple | None = None  # (active rows, their tensor): `rows`
         self.ctx: list[tuple | None] = [None] * batch  # (tokens, hidden, positions) of new drafter context slots
         self.cache = None  # the drafter's cache (Engine.generate: the drafter's row_cache)
         self.eos = set(g.eos_token_ids)
+
+    def rows(self, active: list[int], device) -> torch.Tensor:
+        """The active rows as a tensor [R] on `device`, made again only when they change (every step needs it)."""
+        if self._rows is None or self._rows[0] != (active, device):
+            self._rows = ((list(active), device), torch.tensor(active, device=device))
+        return self._rows[1]
 
     def emit(self, b: int, new: list[int], accepted: int | None, draft_s: float = 0.0, verify_s: float = 0.0) -> None:
         """Row b's new tokens after one verifier pass, cut at max_new_tokens and at the first stop token."""

@@ -25,10 +25,12 @@ ran ~25% slower with 4 rows than with 1.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -192,3 +194,66 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: 
     empty = q.new_empty(0, dtype=torch.float32)
     return torch.ops.paradraft.decode_attention(q, kc, vc, rows, pos, int(window), float(scale),
                                                 empty if sinks is None else sinks)
+
+
+# ---- weights on 2 MiB pages
+HUGE_PAGES_ENV = "PARADRAFT_HUGE_PAGES"
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_MOVED: weakref.WeakSet = weakref.WeakSet()  # modules whose parameters move_to_huge_pages moved
+
+
+def _madvise_huge(addr: int, nbytes: int) -> bool:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc.madvise(addr, nbytes, _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of these CPU tensors (one dtype) side by side in one buffer that Linux backs with 2 MiB pages
+    (madvise MADV_HUGEPAGE before the buffer is first written, which transparent huge pages in `madvise` mode
+    honour), each starting on 64 bytes; the tensors themselves where that cannot be: not Linux, another device,
+    mixed dtypes, less than one huge page in all, or $PARADRAFT_HUGE_PAGES=off.
+
+    Why: a decoding step streams every weight from memory once, and with 4 KiB pages that stream missed the TLB
+    every 4 KiB. On the 2-core AMX host of BENCHMARKS.md ("The engine at the machine's limit") the verifier's
+    projections (269 MB in bf16) streamed at ~14.6 GB/s from 4 KiB pages and ~21 GB/s from 2 MiB pages
+    (tile-packed, 4 rows), measured side by side in one process."""
+    if (not tensors or os.environ.get(HUGE_PAGES_ENV, "on").lower() == "off" or not sys.platform.startswith("linux")
+            or any(t.device.type != "cpu" or t.dtype != tensors[0].dtype for t in tensors)):
+        return list(tensors)
+    size = tensors[0].element_size()
+    align = max(1, 64 // size)
+    spans = [-(-t.numel() // align) * align for t in tensors]
+    total = sum(spans)
+    if total * size < _HUGE_PAGE:
+        return list(tensors)
+    arena = torch.empty(total + _HUGE_PAGE // size, dtype=tensors[0].dtype)  # not yet touched: no pages yet
+    first = (-arena.data_ptr() % _HUGE_PAGE) // size  # the first element on a 2 MiB boundary
+    if not _madvise_huge(arena.data_ptr() + first * size, total * size):
+        return list(tensors)
+    out, at = [], first
+    for t, n in zip(tensors, spans):
+        out.append(arena[at:at + t.numel()].view(t.shape).copy_(t))
+        at += n
+    return out
+
+
+@torch.no_grad()
+def move_to_huge_pages(module: torch.nn.Module) -> None:
+    """Move a module's CPU parameters (each once: tied ones stay one) onto 2 MiB pages (`on_huge_pages`, one buffer
+    per dtype), in place: the same Parameter objects and values, their storage moved. Once per module."""
+    if module in _MOVED:
+        return
+    _MOVED.add(module)
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in module.parameters():
+        if p.device.type == "cpu" and p.is_contiguous():
+            by_dtype.setdefault(p.dtype, []).append(p)
+    for params in by_dtype.values():
+        for p, moved in zip(params, on_huge_pages([p.data for p in params])):
+            if moved is not p.data:
+                p.data = moved

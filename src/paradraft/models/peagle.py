@@ -180,6 +180,7 @@ class PEagleDrafter(DraftModel):
         self.mask_hidden = nn.Parameter(torch.randn(1, 3 * cfg.verifier_hidden) * 0.02)
         self._compiled_rows = None  # compile_rows()
         self._compiled_kinds: set[bool] = set()
+        self._index_cache: dict = {}  # draft_rows' (counts, arange) tensors per (counts, elements, device)
         self.compile_s = 0.0  # seconds draft_rows' compiled passes spent compiling
 
     def init_from_verifier(self, verifier, d2t, t2d, norm: bool = False) -> None:
@@ -257,8 +258,13 @@ class PEagleDrafter(DraftModel):
             return torch.cat([self.draft_rows(tokens[a:b], hidden[a:b], positions[a:b], [b - a], rows[r:r + 1], k,
                                               cache) for r, (a, b) in enumerate(zip(ends, ends[1:]))])
         dev = tokens.device
-        args = (tokens, hidden, positions, torch.tensor(counts, device=dev), torch.arange(n, device=dev), rows,
-                cache.origin, cache.kv, k)
+        key = (tuple(counts), n, dev)  # the pass's small index tensors, made once per shape (a pass is ~1 ms)
+        idx = self._index_cache.get(key)
+        if idx is None:
+            if len(self._index_cache) > 256:
+                self._index_cache.clear()
+            idx = self._index_cache[key] = (torch.tensor(counts, device=dev), torch.arange(n, device=dev))
+        args = (tokens, hidden, positions, *idx, rows, cache.origin, cache.kv, k)
         if self._compiled_rows is None or n > kernels.ATTENTION_QUERIES:  # a prompt's pass stays eager
             return self._rows_pass(*args)
         for t in args[:7]:  # slots, rows, elements per row and the batch vary from pass to pass and call to call

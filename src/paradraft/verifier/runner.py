@@ -63,6 +63,7 @@ class VerifierRunner:
         if self.device.type == "cpu":
             kernels.available()  # the CPU kernel is built (once per host) with the engine, not in its first step, and
             # before any compiled step traces a call to it
+            kernels.move_to_huge_pages(model)  # every step streams the weights: from 2 MiB pages (on_huge_pages)
         # the projections' tile-packed copy, made by the first decoding or verification step of TILE_ROWS rows (a
         # compiled step serves all B rows; _pack_tiles): a runner that only ever decodes one row (plain `generate`
         # of one prompt) holds no copy it would not read
@@ -135,7 +136,14 @@ class VerifierRunner:
                 ffn = (pack([m.gate_proj, m.up_proj]), pack([m.down_proj]))
             layers.append((qkv, o, ffn))
         head = getattr(self.model, "lm_head", None)
-        return layers, (pack([head]) if isinstance(head, torch.nn.Linear) else None)
+        head = pack([head]) if isinstance(head, torch.nn.Linear) else None
+        # all of them side by side on 2 MiB pages (kernels.on_huge_pages), in the order a step reads them
+        packed = [t for qkv, o, ffn in layers for t in (qkv, o, *(ffn or ())) if t is not None]
+        packed += [head] if head else []
+        moved = iter(kernels.on_huge_pages([t[0] for t in packed]))
+        for t in packed:
+            t[0] = next(moved)
+        return layers, head
 
     def alloc(self, batch: int) -> None:
         """(Re)allocate empty caches for `batch` rows."""
@@ -175,9 +183,9 @@ class VerifierRunner:
             rows = torch.arange(Bq, device=self.device)
         start = self.lengths[rows]  # [B']
         pos = start[:, None] + torch.arange(n, device=self.device)[None]  # [B', n]
-        if int(pos.max()) >= self.max_len:
-            raise RuntimeError(f"sequence longer than the engine's max_len {self.max_len}")
         S = int(pos.max()) + 1  # keys in use
+        if S > self.max_len:
+            raise RuntimeError(f"sequence longer than the engine's max_len {self.max_len}")
         h = self.inner.embed_tokens(tokens)  # [B', n, H]
         cos, sin = self.inner.rotary_emb(h, pos)  # [B', n, D] (or [B', n, D/2]: GPT-OSS rotates halves)
         if cos.shape[-1] * 2 == self.hd:
