@@ -6,14 +6,16 @@ processes at once):
   before      the engine without paradraft's CPU kernel and without compilation ($PARADRAFT_KERNELS=off, eager):
               the engine as it was before issue #44, its projections through torch
   kernel      paradraft's CPU kernel, eager
-  compiled    the kernel and torch.compile (the default of bench, regenerate and quickstart on a CPU)
+  compiled    the kernel and torch.compile (what bench, regenerate and quickstart run on a CPU), its weights on 4 KiB
+              pages ($PARADRAFT_HUGE_PAGES=off, as are the two above)
+  huge-pages  the same with the weights on 2 MiB pages (kernels.on_huge_pages): the default
 for bf16 and float32: plain decoding tokens/s (batch 1, through Engine.generate, prefill included), the time of
 one plain step and of one K=3 speculative pass (draft + verify K+1, per pass, from the engine's own timers), their
 ratio, and a profile of the top operations of a plain step. The bandwidth is a 1 GiB float32 read (median of 7).
 Float32 outputs of every configuration are compared token for token.
 
   python benchmarks/bench_engine_limit.py [--drafter DIR] [--prompts 8] [--max-new-tokens 128] [--repeats 3]
-        [--output benchmarks/results/engine-limit.json]
+        [--configs before kernel compiled huge-pages] [--output benchmarks/results/engine-limit.json]
 Without --drafter an untrained P-EAGLE drafter of the default shape stands in: a pass costs what it costs whatever
 the drafter learnt (acceptance changes the tokens per pass, not the time of a pass).
 """
@@ -30,7 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-CONFIGS = {"before": {"PARADRAFT_KERNELS": "off"}, "kernel": {}, "compiled": {}}
+CONFIGS = {"before": {"PARADRAFT_KERNELS": "off", "PARADRAFT_HUGE_PAGES": "off"},
+           "kernel": {"PARADRAFT_HUGE_PAGES": "off"}, "compiled": {"PARADRAFT_HUGE_PAGES": "off"}, "huge-pages": {}}
+COMPILED = ("compiled", "huge-pages")
 
 
 def host() -> dict:
@@ -73,7 +77,7 @@ def one(args) -> dict:
     texts = [r["messages"][0]["content"] for r in list(read_humaneval())[: args.prompts]]
     prompts = [encode_prompt(tok, {"prompt": p}) for p in texts]
     drafter = drafter_or_stand_in(args.drafter, model, dtype)
-    compiled = args.config == "compiled"
+    compiled = args.config in COMPILED
     plain, spec = Engine(model, compile=compiled), Engine(model, drafter, compile=compiled)
     g = GenerationConfig(max_new_tokens=args.max_new_tokens, num_speculative_tokens=3,
                          eos_token_ids=[tok.eos_token_id])
@@ -120,6 +124,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--output", default="benchmarks/results/engine-limit.json")
     ap.add_argument("--one", dest="config", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
@@ -137,7 +142,8 @@ def main() -> None:
         m, _ = load_verifier("smollm2-135m", dtype=getattr(torch, dtype))
         nbytes = sum(p.numel() * p.element_size() for p in m.parameters())  # tied lm_head counted once
         del m
-        for config, env in CONFIGS.items():
+        for config in args.configs:
+            env = CONFIGS[config]
             cmd = [sys.executable, __file__, "--one", config, "--dtype", dtype, "--prompts", str(args.prompts),
                    "--max-new-tokens", str(args.max_new_tokens), "--repeats", str(args.repeats)]
             if args.drafter:
@@ -149,7 +155,7 @@ def main() -> None:
             r.update(weight_bytes=nbytes, limit_tokens_per_s=limit,
                      plain_fraction_of_limit=r["plain"]["tokens_per_s"] / limit)
             rows.append(r)
-    for dtype in args.dtypes:  # float32 outputs of every configuration, token for token
+    for dtype in args.dtypes:  # float32 outputs of every configuration (against the first run), token for token
         by = [r for r in rows if r["dtype"] == dtype]
         same = all(r["outputs"] == by[0]["outputs"] and r["spec_outputs"] == by[0]["outputs"] for r in by)
         for r in by:
