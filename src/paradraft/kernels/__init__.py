@@ -212,34 +212,44 @@ def _madvise_huge(addr: int, nbytes: int) -> bool:
         return False
 
 
+def _arena(numels: list[int], dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """Empty 1-D buffers of these sizes side by side in one allocation that Linux backs with 2 MiB pages (madvise
+    MADV_HUGEPAGE before any of it is written, which transparent huge pages in `madvise` mode honour), each starting
+    on 64 bytes, the first on a 2 MiB boundary; None where that cannot be (not Linux, less than one huge page in all,
+    $PARADRAFT_HUGE_PAGES=off). Its pages are only made as the buffers are written."""
+    if os.environ.get(HUGE_PAGES_ENV, "on").lower() == "off" or not sys.platform.startswith("linux"):
+        return None
+    size = torch.empty((), dtype=dtype).element_size()
+    align = max(1, 64 // size)
+    spans = [-(-n // align) * align for n in numels]
+    total = sum(spans)
+    if total * size < _HUGE_PAGE:
+        return None
+    arena = torch.empty(total + _HUGE_PAGE // size, dtype=dtype)  # not yet touched: no pages yet
+    at = (-arena.data_ptr() % _HUGE_PAGE) // size  # the first element on a 2 MiB boundary
+    if not _madvise_huge(arena.data_ptr() + at * size, total * size):
+        return None
+    out = []
+    for n, span in zip(numels, spans):
+        out.append(arena[at:at + n])
+        at += span
+    return out
+
+
 def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of these CPU tensors (one dtype) side by side in one buffer that Linux backs with 2 MiB pages
-    (madvise MADV_HUGEPAGE before the buffer is first written, which transparent huge pages in `madvise` mode
-    honour), each starting on 64 bytes; the tensors themselves where that cannot be: not Linux, another device,
-    mixed dtypes, less than one huge page in all, or $PARADRAFT_HUGE_PAGES=off.
+    """Copies of these CPU tensors (one dtype) side by side on 2 MiB pages (`_arena`); the tensors themselves where
+    that cannot be (another device, mixed dtypes, or `_arena`'s cases).
 
     Why: a decoding step streams every weight from memory once, and from 4 KiB pages it needs a new page
     translation every 4 KiB. On the 2-core AMX host of BENCHMARKS.md ("The engine at the machine's limit") the
     embedded verifier's projections (269 MB in bf16) streamed at 21.4 against 14.7 GB/s for one row and 18.2
     against 12.7 for four (tile-packed), and plain decoding ran 18% faster in bf16 and 24% in float32."""
-    if (not tensors or os.environ.get(HUGE_PAGES_ENV, "on").lower() == "off" or not sys.platform.startswith("linux")
-            or any(t.device.type != "cpu" or t.dtype != tensors[0].dtype for t in tensors)):
+    if not tensors or any(t.device.type != "cpu" or t.dtype != tensors[0].dtype for t in tensors):
         return list(tensors)
-    size = tensors[0].element_size()
-    align = max(1, 64 // size)
-    spans = [-(-t.numel() // align) * align for t in tensors]
-    total = sum(spans)
-    if total * size < _HUGE_PAGE:
+    slots = _arena([t.numel() for t in tensors], tensors[0].dtype)
+    if slots is None:
         return list(tensors)
-    arena = torch.empty(total + _HUGE_PAGE // size, dtype=tensors[0].dtype)  # not yet touched: no pages yet
-    first = (-arena.data_ptr() % _HUGE_PAGE) // size  # the first element on a 2 MiB boundary
-    if not _madvise_huge(arena.data_ptr() + first * size, total * size):
-        return list(tensors)
-    out, at = [], first
-    for t, n in zip(tensors, spans):
-        out.append(arena[at:at + t.numel()].view(t.shape).copy_(t))
-        at += n
-    return out
+    return [slot.view(t.shape).copy_(t) for slot, t in zip(slots, tensors)]
 
 
 @torch.no_grad()
@@ -253,7 +263,8 @@ def move_to_huge_pages(module: torch.nn.Module) -> None:
     for p in module.parameters():
         if p.device.type == "cpu" and p.is_contiguous():
             by_dtype.setdefault(p.dtype, []).append(p)
-    for params in by_dtype.values():
-        for p, moved in zip(params, on_huge_pages([p.data for p in params])):
-            if moved is not p.data:
-                p.data = moved
+    for dtype, params in by_dtype.items():
+        slots = _arena([p.numel() for p in params], dtype)
+        for p, slot in zip(params, slots or ()):
+            p.data = slot.view(p.shape).copy_(p.data)  # one at a time: each old storage is freed as it goes (held by
+            # nothing else), so a model's resident memory does not double while it moves

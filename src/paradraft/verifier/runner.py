@@ -127,6 +127,13 @@ class VerifierRunner:
             tiles = kernels.pack_tiles(w)
             return None if tiles is None else [tiles]
 
+        def settle(packed):
+            # a layer's packed weights (or the lm_head's) side by side on 2 MiB pages (kernels.on_huge_pages), in the
+            # order a step reads them; layer by layer, so that the copies made on the way are one layer's
+            live = [t for t in packed if t is not None]
+            for t, moved in zip(live, kernels.on_huge_pages([t[0] for t in live])):
+                t[0] = moved
+
         layers = []
         for layer in self.inner.layers:
             attn, m = layer.self_attn, layer.mlp
@@ -134,15 +141,11 @@ class VerifierRunner:
             ffn = None
             if type(m).__name__ in GATED_MLPS:
                 ffn = (pack([m.gate_proj, m.up_proj]), pack([m.down_proj]))
+            settle([qkv, o, *(ffn or ())])
             layers.append((qkv, o, ffn))
         head = getattr(self.model, "lm_head", None)
         head = pack([head]) if isinstance(head, torch.nn.Linear) else None
-        # all of them side by side on 2 MiB pages (kernels.on_huge_pages), in the order a step reads them
-        packed = [t for qkv, o, ffn in layers for t in (qkv, o, *(ffn or ())) if t is not None]
-        packed += [head] if head else []
-        moved = iter(kernels.on_huge_pages([t[0] for t in packed]))
-        for t in packed:
-            t[0] = next(moved)
+        settle([head])
         return layers, head
 
     def alloc(self, batch: int) -> None:
