@@ -254,8 +254,9 @@ def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def move_to_huge_pages(module: torch.nn.Module) -> None:
-    """Move a module's CPU parameters (each once: tied ones stay one) onto 2 MiB pages (`on_huge_pages`, one buffer
-    per dtype), in place: the same Parameter objects and values, their storage moved. Once per module."""
+    """Move a module's contiguous CPU parameters (each once: tied ones stay one) onto 2 MiB pages (`_arena`, one
+    buffer per dtype; why: `on_huge_pages`), in place: the same Parameter objects and values, their storage moved.
+    Once per module (a module first seen with $PARADRAFT_HUGE_PAGES=off stays where it is)."""
     if module in _MOVED:
         return
     _MOVED.add(module)
