@@ -238,7 +238,10 @@ inline void tile_blocks(const c10::BFloat16* p, int nblk, int64_t K, const c10::
   int64_t t = 0;
   for (; t + 2 <= T; t += 2) {
     for (int l = 0; l < 32; ++l) {  // the next 2 KB of each block
-      _mm_prefetch(ahead + t * 1024 + l * 64, _MM_HINT_T0);
+      // block a's stream, past its end, would prefetch block b's first KBs, which b read at the unit's start: it
+      // prefetches the next unit's block b instead (2 blocks further), which no stream reaches before it is read
+      const int64_t off = TILE_PREFETCH + t * 1024 + l * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + (off < blk_bytes ? off : off + 2 * blk_bytes), _MM_HINT_T0);
       if (nblk == 2) _mm_prefetch(ahead + blk_bytes + t * 1024 + l * 64, _MM_HINT_T0);
     }
     _tile_loadd(2, x + t * 32, lda);
