@@ -149,8 +149,7 @@ class Engine:
         """One verifier pass of plain decoding: one new token per active row."""
         dev = self.runner.device
         t0 = time.perf_counter()
-        inp = torch.tensor([[st.pending[b]] for b in active], device=dev)  # [R, 1]
-        logits, _ = self.runner.forward(inp, rows=st.rows(active, dev))
+        logits, _ = self.runner.forward(st.pending_tokens(active, dev), rows=st.rows(active, dev))
         nxt = self._token(logits[:, 0], st).tolist()
         dt = time.perf_counter() - t0
         for j, b in enumerate(active):
@@ -180,7 +179,7 @@ class Engine:
         g, dev = st.g, self.runner.device
         rows = st.rows(active, dev)
         start = self.runner.lengths[rows]  # [R] (a copy: indexed by a tensor)
-        inp = torch.cat([torch.tensor([[st.pending[b]] for b in active], device=dev), draft.to(dev)], 1)  # [R, K+1]
+        inp = torch.cat([st.pending_tokens(active, dev), draft.to(dev)], 1)  # [R, K+1]
         logits, aux = self.runner.forward(inp, rows=rows)
         if g.temperature <= 0:
             n_acc, nxt = greedy_accept(draft, self._token(logits, st))  # [R, K+1] argmax
@@ -263,6 +262,10 @@ class _State:
         if self._rows is None or self._rows[0] != (active, device):
             self._rows = ((list(active), device), torch.tensor(active, device=device))
         return self._rows[1]
+
+    def pending_tokens(self, active: list[int], device) -> torch.Tensor:
+        """The active rows' pending tokens [R, 1], fed to the verifier first."""
+        return torch.tensor([[self.pending[b]] for b in active], device=device)
 
     def emit(self, b: int, new: list[int], accepted: int | None, draft_s: float = 0.0, verify_s: float = 0.0) -> None:
         """Row b's new tokens after one verifier pass, cut at max_new_tokens and at the first stop token."""
