@@ -57,7 +57,10 @@ def test_kernel_refuses_what_it_cannot_compute():
 def test_the_rule_takes_the_kernel_only_where_measured_faster_and_never_for_training():
     """linear(): the kernel for KERNEL_ROWS rows in inference mode (the engine); one float32 row is torch's own
     product (plain float32 decoding computed as Hugging Face computes it); many rows, and anything outside inference
-    mode (training, its no-grad parts): the module."""
+    mode (training, its no-grad parts): the module (bf16 rows beyond the kernel's in float32 where torch has no bf16
+    GEMM)."""
+    from paradraft.verifier import linear as lin_mod
+
     torch.manual_seed(0)
     lin = nn.Linear(64, 96)
     with torch.inference_mode():
@@ -68,6 +71,9 @@ def test_the_rule_takes_the_kernel_only_where_measured_faster_and_never_for_trai
                 got = linear(m, x)
                 if lo <= rows <= hi:
                     assert torch.equal(got, kernels.small_linear(x, [m.weight]) + m.bias)
+                elif rows > hi and dtype == torch.bfloat16 and not lin_mod._onednn_bf16():  # float32 inside
+                    assert torch.equal(got, torch.nn.functional.linear(x.float(), m.weight.float(),
+                                                                       m.bias.float()).bfloat16())
                 else:
                     assert torch.equal(got, m(x))
         x = torch.randn(1, 3, 64)  # one row in float32, any leading shape
@@ -103,13 +109,75 @@ def test_kernel_off_by_environment_is_said(monkeypatch):
 
 
 def test_compile_flags_follow_the_cpu():
-    """Built only where it can run: AVX-512 F/BW/VL; its bf16 and AMX paths only where the CPU has them."""
-    assert kernels._compile_flags({"avx2", "fma"}) is None
+    """Built only where it can run: AVX-512 F/BW/VL, its bf16 and AMX paths only where the CPU has them; else AVX2
+    and FMA (small_linear alone); nothing below that."""
+    assert kernels._compile_flags({"sse4_2", "avx"}) is None and kernels._compile_flags({"avx2"}) is None
+    assert kernels._compile_flags({"avx2", "fma"}) == ["-O3", "-fopenmp", "-mavx2", "-mfma"]
+    assert not any("avx512" in f for f in kernels._compile_flags({"avx2", "fma", "avx512f"}))  # F alone is not enough
     base = {"avx512f", "avx512bw", "avx512vl", "fma"}
     assert "-mavx512bf16" not in kernels._compile_flags(base)
     assert "-mavx512bf16" in kernels._compile_flags(base | {"avx512_bf16"})
     assert "-mamx-bf16" in kernels._compile_flags(base | {"avx512_bf16", "amx_tile", "amx_bf16"})
     assert "-mamx-bf16" not in kernels._compile_flags(base | {"amx_tile"})
+
+
+_AVX2_CHECK = """
+import torch
+from paradraft import kernels
+assert kernels.available(), kernels.status()
+assert not kernels.tiles_available()
+g = torch.Generator().manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    for M in (1, 2, 3, 4, 5, 16, 64):
+        for K in (8, 13, 24, 576, 1545):  # one vector, a tail alone, 16 + 8, the model's, 96 steps + 8 + a tail of 1
+            x = torch.randn(M, K, generator=g).to(dtype)
+            ws = [torch.randn(37, K, generator=g).to(dtype), torch.randn(64, K, generator=g).to(dtype)]
+            ref = torch.cat([x.double() @ w.double().T for w in ws], dim=-1)
+            err = (kernels.small_linear(x, ws).double() - ref).abs().max() / ref.abs().max()
+            assert err < (1e-5 if dtype == torch.float32 else 1e-2), (dtype, M, K, float(err))
+import test_kernels  # the attention's cases, against the softmax in float64
+for dtype in (torch.float32, torch.bfloat16):
+    for D in (32, 64, 128):
+        test_kernels.test_decode_attention_equals_softmax_attention(dtype, D)
+print("avx2 ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not {"avx2", "fma"} <= kernels._cpu_flags(), reason="no AVX2 and FMA here")
+def test_the_avx2_build_equals_the_product_and_has_no_attention(tmp_path):
+    """The AVX2 variant ($PARADRAFT_KERNELS=avx2; what a CPU without AVX-512 builds) in its own process: built,
+    no tiles, small_linear equal to the float64 product for 1..64 rows and K off its 8- and 16-lane steps, and
+    decode_attention through the same cases as the AVX-512 build's."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **{kernels.KERNELS_ENV: "avx2"})
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", _AVX2_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "avx2 ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_bf16_prefill_rows_in_float32_only_where_torch_has_no_bf16_gemm(monkeypatch):
+    """bf16 rows beyond the kernel's: where torch has no oneDNN bf16 GEMM, the product in float32 rounded once (equal
+    to the float64 product within one bf16 rounding); where it has one, and outside inference, the module itself."""
+    from paradraft.verifier import linear as lin_mod
+
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 40).bfloat16()
+    x = torch.randn(2, 25, 96).bfloat16()  # 50 rows: beyond the kernel's 16
+    ref = (x.double() @ lin.weight.double().T + lin.bias.double()).bfloat16()  # [2, 25, 40]
+    monkeypatch.setitem(lin_mod._CPU, "bf16", False)
+    with torch.inference_mode():
+        got = linear(lin, x)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 25, 40)
+    assert ((got.double() - ref.double()).abs() <= ref.double().abs() * 2 ** -7 + 1e-6).all()  # one bf16 ulp
+    with torch.no_grad():  # training's no-grad work: the module as it is
+        assert torch.equal(linear(lin, x), lin(x))
+    monkeypatch.setitem(lin_mod._CPU, "bf16", True)
+    with torch.inference_mode():
+        assert torch.equal(linear(lin, x), lin(x))
 
 
 def test_projection_through_the_rule_equals_torch_within_rounding():

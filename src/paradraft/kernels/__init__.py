@@ -8,9 +8,13 @@ delivers there.
 
 The C++ source is compiled with torch's extension toolchain (a C++ compiler and ninja) the first time a process
 needs it, into $PARADRAFT_CACHE/kernels/<hash of source, torch and CPU flags> (~10 s, reported once on stderr),
-and loaded from there afterwards. It needs AVX-512 (F, BW, VL; BF16 when the CPU has it). Where it cannot be built
-or loaded (another CPU, no compiler) the projections run through torch, with one line saying why; nothing else
-changes. $PARADRAFT_KERNELS=off never builds or uses it (reproducing torch's path, or measuring the kernel).
+and loaded from there afterwards. It needs AVX-512 (F, BW, VL; BF16 and AMX when the CPU has them), or AVX2 and
+FMA (the same loops 8 lanes wide, bf16 converted in registers; no tiles). On a CPU without AVX-512's bf16
+instructions torch's bf16 product costs every row of x what one row costs (on the 2-core AMD EPYC of BENCHMARKS.md
+a 4-row step's projections ~4x one row's), where the kernel reads the weights once for all rows. Where it cannot
+be built or loaded (another CPU, no compiler) the projections run through torch, with one line saying why;
+nothing else changes. $PARADRAFT_KERNELS=off never builds or uses it (reproducing torch's path, or measuring the
+kernel); $PARADRAFT_KERNELS=avx2 builds the AVX2 variant on a CPU that has AVX-512 too.
 
 `small_linear(x [M, K], weights) -> [M, sum N_i]`: x @ W_i^T for each weight [N_i, K], side by side, float32
 accumulation, rounded once to x's dtype (bfloat16 or float32), 1 <= M <= 64.
@@ -52,9 +56,10 @@ def _cpu_flags() -> set[str]:
 
 
 def _compile_flags(flags: set[str]) -> list[str] | None:
-    """The compiler flags for this CPU, or None where the kernel cannot run on it."""
+    """The compiler flags for this CPU, or None where the kernel cannot run on it: AVX-512 (with its bf16
+    instructions and AMX where the CPU has them), else AVX2 and FMA (no tiles there)."""
     if not {"avx512f", "avx512bw", "avx512vl", "fma"} <= flags:
-        return None
+        return ["-O3", "-fopenmp", "-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else None
     out = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
     if "avx512_bf16" in flags:
         out.append("-mavx512bf16")
@@ -73,12 +78,16 @@ def _build_dir(cflags: list[str]) -> Path:
 def _load() -> None:
     """Build (once per host) and load the kernel; record whether it is usable and why not."""
     _STATE.update(ok=False, why="", build_s=0.0)
-    if os.environ.get(KERNELS_ENV, "on").lower() == "off":
+    setting = os.environ.get(KERNELS_ENV, "on").lower()
+    if setting == "off":
         _STATE["why"] = f"${KERNELS_ENV}=off"
         return
-    cflags = _compile_flags(_cpu_flags())
+    flags = _cpu_flags()
+    if setting == "avx2":  # the AVX2 build on a CPU that has more (to measure or test it there)
+        flags = flags & {"avx2", "fma"}
+    cflags = _compile_flags(flags)
     if cflags is None:
-        _STATE["why"] = "this CPU lacks AVX-512"
+        _STATE["why"] = "this CPU lacks AVX2 and FMA"
         return
     build = _build_dir(cflags)
     lib = build / "paradraft_small_linear.so"

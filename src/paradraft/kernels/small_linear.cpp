@@ -34,6 +34,7 @@
 
 namespace {
 
+#ifdef __AVX512F__
 constexpr int NB = 4;  // weight rows per block
 constexpr int MB = 4;  // x rows per block
 
@@ -129,7 +130,84 @@ template <typename W, int M_, int N_>
 inline void block(const c10::BFloat16* x, int64_t K, const c10::BFloat16* const* w, float* out, int64_t ldo) {
   block_bf16<M_, N_>(x, K, w, out, ldo);
 }
-#endif
+#endif  // __AVX512BF16__
+#else  // AVX2 and FMA only (no AVX-512): small_linear with 8-lane float32 registers (no tiles)
+
+constexpr int NB = 4;  // weight rows per block
+constexpr int MB = 4;  // x rows per block; `block` keeps at most 8 accumulators in the 16 ymm registers (with the
+                       // weight vectors and x), so 3-4 x rows take a block's weight rows two at a time
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // 8 bf16 -> 8 float32 (bf16 is the top half of a float32)
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float hsum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// out[0..N_) = the lane sums of acc[0..N_) (four at once by a tree of horizontal adds)
+template <int N_>
+inline void lane_sums(const __m256* acc, float* out) {
+  if constexpr (N_ == 4) {
+    __m256 ab = _mm256_hadd_ps(acc[0], acc[1]);  // [a01 a23 b01 b23 | a45 a67 b45 b67]
+    __m256 cd = _mm256_hadd_ps(acc[2], acc[3]);
+    __m256 abcd = _mm256_hadd_ps(ab, cd);  // [a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7]
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+  } else {
+    for (int j = 0; j < N_; ++j) out[j] = hsum8(acc[j]);
+  }
+}
+
+// acc[m][j] = sum_k xf[m][k] * w[j][k] for `mb` x rows (float32, [mb, K]) and `nb` weight rows: 16 k per step (one
+// 64-byte line of float32 weights, half of one of bf16), the tail of K % 8 by scalars.
+template <typename W, int M_, int N_>
+inline void block_regs(const float* xf, int64_t K, const W* const* w, float* out, int64_t ldo) {
+  __m256 acc[M_][N_];
+  _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m)
+    _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) acc[m][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    // the next block's rows (contiguous after these), as in the AVX-512 build
+    _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) _mm_prefetch((const char*)(w[j] + N_ * K + k), _MM_HINT_T0);
+    _Pragma("GCC unroll 2") for (int h = 0; h < 16; h += 8) {
+      __m256 wv[N_];
+      _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) wv[j] = load8(w[j] + k + h);
+      _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m) {
+        __m256 xv = _mm256_loadu_ps(xf + m * K + k + h);
+        _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+      }
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[N_];
+    _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) wv[j] = load8(w[j] + k);
+    _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m) {
+      __m256 xv = _mm256_loadu_ps(xf + m * K + k);
+      _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) acc[m][j] = _mm256_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m) {
+    lane_sums<N_>(acc[m], out + m * ldo);
+    for (int j = 0; j < N_; ++j)
+      for (int64_t t = k; t < K; ++t) out[m * ldo + j] += xf[m * K + t] * static_cast<float>(w[j][t]);
+  }
+}
+
+// M_ x rows against N_ weight rows: in one pass while the accumulators fit (M_ * N_ <= 8), else the weight rows two
+// at a time (each weight row still read once for all M_ x rows: converting it, not reading x, is the cost)
+template <typename W, int M_, int N_>
+inline void block(const float* xf, int64_t K, const W* const* w, float* out, int64_t ldo) {
+  if constexpr (M_ * N_ <= 8 || N_ % 2 != 0) {
+    block_regs<W, M_, N_>(xf, K, w, out, ldo);
+  } else {
+    _Pragma("GCC unroll 4") for (int j = 0; j < N_; j += 2) block_regs<W, M_, 2>(xf, K, w + j, out + j, ldo);
+  }
+}
+#endif  // __AVX512F__
 
 
 #ifdef __AMX_BF16__
@@ -441,8 +519,10 @@ at::Tensor small_linear(const at::Tensor& x, at::TensorList weights) {
 #ifdef __AVX512BF16__
     run<c10::BFloat16, c10::BFloat16>(x.data_ptr<c10::BFloat16>(), M, K, ws, yp, N);
 #else
-    at::Tensor xf = x.to(at::kFloat);
-    run<c10::BFloat16, float>(xf.data_ptr<float>(), M, K, ws, yp, N);
+    std::vector<float> xf(M * K);  // x in float32 once (not x.to(kFloat): ~6 us of dispatch per call, ~120 calls
+    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();  // per step of the embedded verifier)
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xb[i]);
+    run<c10::BFloat16, float>(xf.data(), M, K, ws, yp, N);
 #endif
     return y;
   }
@@ -451,6 +531,7 @@ at::Tensor small_linear(const at::Tensor& x, at::TensorList weights) {
   return y;
 }
 
+#ifdef __AVX512F__
 // ---- decode_attention: the attention of a decoding or verification step
 // Few queries per row (1..16) against a row's cached keys: scores, softmax and the weighted sum of values in one
 // pass per (row, head), in float32, on the cache as it is (no gather of a subset of rows, no [rows, heads, n, S]
@@ -586,6 +667,131 @@ void attend_group(const float* qf, int64_t R, int64_t D, const T* k, const T* v,
     for (int64_t d = 0; d < D; ++d) out[r][d] = T(of[r * D + d]);  // rounded once
 }
 
+#else  // AVX2 build: the same steps with 8-lane registers
+
+// e^x for x <= 0, as the AVX-512 exp_neg: x = k ln2 + r, e^r by its Taylor polynomial of degree 7, times 2^k (built
+// in the exponent bits: k >= -126 above -87, a normal float); -> 0 below -87
+inline __m256 exp_neg(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x);  // ln2 in two parts: r exact
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256 two_k = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23));
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, two_k));
+}
+
+// the AVX-512 softmax_exp's contract: sr[a, b) becomes exp(scale * s - max), the normalizer 1 / sum is returned
+inline float softmax_exp(float* sr, int64_t a, int64_t b, float scale, const float* sink) {
+  float mx = -INFINITY;
+  for (int64_t t = a; t < b; ++t) mx = std::max(mx, sr[t] * scale);
+  if (sink) mx = std::max(mx, *sink);
+  const __m256 sc = _mm256_set1_ps(scale), mxv = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  float tail[8] = {};
+  for (int64_t t = a; t < b; t += 8) {
+    const int64_t nt = std::min<int64_t>(8, b - t);
+    if (nt == 8) {
+      const __m256 e = exp_neg(_mm256_fmsub_ps(_mm256_loadu_ps(sr + t), sc, mxv));
+      _mm256_storeu_ps(sr + t, e);
+      sum = _mm256_add_ps(sum, e);
+    } else {  // the last keys: through a zero-padded copy whose padding takes no part
+      for (int64_t i = 0; i < 8; ++i) tail[i] = i < nt ? sr[t + i] * scale - mx : -INFINITY;
+      _mm256_storeu_ps(tail, exp_neg(_mm256_loadu_ps(tail)));
+      for (int64_t i = 0; i < nt; ++i) sr[t + i] = tail[i];
+      sum = _mm256_add_ps(sum, _mm256_loadu_ps(tail));
+    }
+  }
+  return 1.0f / (hsum8(sum) + (sink ? std::exp(*sink - mx) : 0.0f));
+}
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t D) {  // D a multiple of 16
+  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
+}
+
+// the AVX-512 attend_group's contract and steps (scores 4 keys at a time, softmax, the weighted sum a chunk of CH
+// converted values at a time), 8 lanes wide
+template <typename T>
+void attend_group(const float* qf, int64_t R, int64_t D, const T* k, const T* v, const int64_t* lo,
+                  const int64_t* hi, float scale, const float* sink, T* const* out, std::vector<float>& buf) {
+  int64_t j0 = lo[0], S = hi[0] + 1;
+  for (int64_t r = 1; r < R; ++r) j0 = std::min(j0, lo[r]), S = std::max(S, hi[r] + 1);
+  const int64_t W = S - j0;
+  constexpr int64_t CH = 64;
+  buf.resize(R * W + 4 * D + CH * D + R * D);
+  float* s = buf.data();       // [R, W] scores, then probabilities
+  float* kf = s + R * W;       // [4, D] a block of keys in float32
+  float* vf = kf + 4 * D;      // [CH, D] a chunk of values in float32
+  float* of = vf + CH * D;     // [R, D] outputs in float32
+  int64_t j = j0;
+  const int64_t row_bytes = D * sizeof(T);
+  for (; j + 4 <= S; j += 4) {
+    for (int64_t x = 0; x < 4 * row_bytes; x += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(k + (j + 16) * D) + x, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v + j * D) + x, _MM_HINT_T1);
+    }
+    for (int jj = 0; jj < 4; ++jj) to_float(k + (j + jj) * D, kf + jj * D, D);
+    for (int64_t r = 0; r < R; ++r) {
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qf + r * D + d);
+        for (int jj = 0; jj < 4; ++jj) acc[jj] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + jj * D + d), acc[jj]);
+      }
+      lane_sums<4>(acc, s + r * W + (j - j0));
+    }
+  }
+  for (; j < S; ++j) {
+    to_float(k + j * D, kf, D);
+    for (int64_t r = 0; r < R; ++r) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * D + d), _mm256_loadu_ps(kf + d), acc);
+      s[r * W + (j - j0)] = hsum8(acc);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = s + r * W;
+    const int64_t a = lo[r] - j0, b = hi[r] + 1 - j0;  // [a, b) visible
+    const float inv = softmax_exp(sr, a, b, scale, sink ? sink + r : nullptr);
+    for (int64_t t = a; t < b; ++t) sr[t] *= inv;
+    for (int64_t t = 0; t < a; ++t) sr[t] = 0.0f;
+    for (int64_t t = b; t < W; ++t) sr[t] = 0.0f;
+  }
+  for (int64_t x = 0; x < R * D; ++x) of[x] = 0.0f;
+  for (int64_t c0 = 0; c0 < W; c0 += CH) {
+    const int64_t cn = std::min(CH, W - c0);
+    for (int64_t t = 0; t < cn; ++t) to_float(v + (j0 + c0 + t) * D, vf + t * D, D);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* pr = s + r * W + c0;
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {  // 4 x 8 lanes of the output in registers
+        const int64_t dn = std::min<int64_t>(32, D - d0) / 8;
+        __m256 acc[4];
+        for (int64_t cc = 0; cc < dn; ++cc) acc[cc] = _mm256_loadu_ps(of + r * D + d0 + cc * 8);
+        for (int64_t t = 0; t < cn; ++t) {
+          const __m256 pv = _mm256_set1_ps(pr[t]);
+          for (int64_t cc = 0; cc < dn; ++cc)
+            acc[cc] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vf + t * D + d0 + cc * 8), acc[cc]);
+        }
+        for (int64_t cc = 0; cc < dn; ++cc) _mm256_storeu_ps(of + r * D + d0 + cc * 8, acc[cc]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < D; ++d) out[r][d] = T(of[r * D + d]);  // rounded once
+}
+#endif  // __AVX512F__
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // attend_group for bfloat16 on AMX, 1..16 query rows, D a multiple of 64: the products of scores and of the weighted
 // sum on tiles, so that their cost no longer grows with the queries (measured at ~300 keys: a verification step's 4
@@ -803,6 +1009,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
     }));
   return out;
 }
+
 
 // whether tile_linear runs here: built with AMX and granted the tile state by the OS
 bool tiles_ready() {

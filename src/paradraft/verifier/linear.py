@@ -11,6 +11,10 @@ THE rule of which path a CPU projection takes at inference (`linear`, `linears`)
   path, AMX through oneDNN, is faster). One float32 row stays on torch's path (as fast there): an eager decoding
   step is then computed as Hugging Face computes it;
 - else, on hosts without the kernel, the measured small-M rule below for 2..16 float32 rows;
+- bfloat16 rows beyond the kernel's (a prefill) where torch has no bf16 GEMM on this CPU (oneDNN's needs AVX-512
+  BF16 or AMX; `_onednn_bf16`): the product in float32, rounded once to bf16 as torch's own bf16 product is. torch's
+  fallback costs every row what one row costs: on the 2-core AMD EPYC (AVX2) of BENCHMARKS.md 150 rows of a
+  576 -> 1536 projection took 16 ms, against 2.2 ms in float32 with the weight converted in the call;
 - else the module as it is.
 
 Without the kernel, on a CPU in float32, `F.linear(x, W)` (what nn.Linear runs: x @ W^T) takes a small-M path that
@@ -96,6 +100,20 @@ def _kernel_rows(x: torch.Tensor, rows: int) -> bool:
     return lo <= rows <= hi and kernels.available()
 
 
+def _onednn_bf16() -> bool:
+    """Whether torch multiplies bf16 matrices through oneDNN on this CPU (AVX-512 BF16 or AMX)."""
+    if "bf16" not in _CPU:
+        _CPU["bf16"] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return _CPU["bf16"]
+
+
+_CPU: dict[str, bool] = {}
+
+
+def _bf16_in_float32(x: torch.Tensor, rows: int) -> bool:
+    return x.dtype == torch.bfloat16 and rows > KERNEL_ROWS[torch.bfloat16][1] and not _onednn_bf16()
+
+
 def _tile_rows(x: torch.Tensor, rows: int, tiles) -> bool:
     return tiles is not None and x.dtype == torch.bfloat16 and TILE_ROWS[0] <= rows <= TILE_ROWS[1]
 
@@ -126,6 +144,9 @@ def linear(module: nn.Module, x: torch.Tensor, tiles: list[torch.Tensor] | None 
         return module(x)
     if _tile_rows(x, rows, tiles) or _kernel_rows(x, rows):
         return linears([module], x, tiles)[0]
+    if _bf16_in_float32(x, rows):  # [..., in] -> [..., out], float32 inside, rounded once
+        b = None if module.bias is None else module.bias.float()
+        return F.linear(x.float(), w.float(), b).to(x.dtype)
     if (x.dtype != torch.float32 or not 2 <= rows <= 16 or torch.compiler.is_compiling()  # no timing in a graph
             or not transposed_faster(w, rows)):
         return module(x)
