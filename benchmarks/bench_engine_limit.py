@@ -9,13 +9,15 @@ processes at once):
   compiled    the kernel and torch.compile (what bench, regenerate and quickstart run on a CPU), its weights on 4 KiB
               pages ($PARADRAFT_HUGE_PAGES=off, as are the two above)
   huge-pages  the same with the weights on 2 MiB pages (kernels.on_huge_pages): the default
+  torch-compiled  the default without paradraft's kernel ($PARADRAFT_KERNELS=off, compiled, 2 MiB pages): what a
+              CPU without AVX-512 ran before the kernel's AVX2 build (not in the default --configs)
 for bf16 and float32: plain decoding tokens/s (batch 1, through Engine.generate, prefill included), the time of
 one plain step and of one K=3 speculative pass (draft + verify K+1, per pass, from the engine's own timers), their
 ratio, and a profile of the top operations of a plain step. The bandwidth is a 1 GiB float32 read (median of 7).
 Float32 outputs of every configuration are compared token for token.
 
   python benchmarks/bench_engine_limit.py [--drafter DIR] [--prompts 8] [--max-new-tokens 128] [--repeats 3]
-        [--configs before kernel compiled huge-pages] [--output benchmarks/results/engine-limit.json]
+        [--configs before kernel compiled huge-pages torch-compiled] [--output benchmarks/results/engine-limit.json]
 Without --drafter an untrained P-EAGLE drafter of the default shape stands in: a pass costs what it costs whatever
 the drafter learnt (acceptance changes the tokens per pass, not the time of a pass).
 """
@@ -33,8 +35,10 @@ import time
 from pathlib import Path
 
 CONFIGS = {"before": {"PARADRAFT_KERNELS": "off", "PARADRAFT_HUGE_PAGES": "off"},
-           "kernel": {"PARADRAFT_HUGE_PAGES": "off"}, "compiled": {"PARADRAFT_HUGE_PAGES": "off"}, "huge-pages": {}}
-COMPILED = ("compiled", "huge-pages")
+           "kernel": {"PARADRAFT_HUGE_PAGES": "off"}, "compiled": {"PARADRAFT_HUGE_PAGES": "off"}, "huge-pages": {},
+           "torch-compiled": {"PARADRAFT_KERNELS": "off"}}
+COMPILED = ("compiled", "huge-pages", "torch-compiled")
+DEFAULT_CONFIGS = ["before", "kernel", "compiled", "huge-pages"]
 
 
 def host() -> dict:
@@ -124,7 +128,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
     ap.add_argument("--output", default="benchmarks/results/engine-limit.json")
     ap.add_argument("--one", dest="config", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paradraft import kernels
-from paradraft.verifier.linear import KERNEL_ROWS, TILE_ROWS, linear, linears, mlp
+from paradraft.verifier.linear import KERNEL_ROWS, KERNEL_ROWS_AVX2, TILE_ROWS, kernel_rows, linear, linears, mlp
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason=f"no kernel here: {kernels.status()['why_not']}")
 needs_tiles = pytest.mark.skipif(not kernels.tiles_available(), reason="no AMX tiles here (or no kernel)")
@@ -55,16 +55,19 @@ def test_kernel_refuses_what_it_cannot_compute():
 
 @needs_kernel
 def test_the_rule_takes_the_kernel_only_where_measured_faster_and_never_for_training():
-    """linear(): the kernel for KERNEL_ROWS rows in inference mode (the engine); one float32 row is torch's own
-    product (plain float32 decoding computed as Hugging Face computes it); many rows, and anything outside inference
-    mode (training, its no-grad parts): the module (bf16 rows beyond the kernel's in float32 where torch has no bf16
-    GEMM)."""
+    """linear(): the kernel for `kernel_rows` rows in inference mode (the engine); one float32 row is torch's own
+    product on AVX-512 builds (plain float32 decoding computed as Hugging Face computes it); many rows, and anything
+    outside inference mode (training, its no-grad parts): the module (bf16 rows beyond the kernel's in float32 where
+    torch has no bf16 GEMM)."""
     from paradraft.verifier import linear as lin_mod
 
     torch.manual_seed(0)
     lin = nn.Linear(64, 96)
     with torch.inference_mode():
-        for dtype, (lo, hi) in KERNEL_ROWS.items():
+        table = KERNEL_ROWS_AVX2 if kernels.isa() == "avx2" else KERNEL_ROWS
+        assert kernels.isa() in ("avx2", "avx512") and kernel_rows(torch.float32) == table[torch.float32]
+        for dtype in KERNEL_ROWS:
+            lo, hi = kernel_rows(dtype)
             m = nn.Linear(64, 96).to(dtype)
             for rows in (1, 2, 4, 16, 17):
                 x = torch.randn(rows, 64).to(dtype)
@@ -76,8 +79,9 @@ def test_the_rule_takes_the_kernel_only_where_measured_faster_and_never_for_trai
                                                                        m.bias.float()).bfloat16())
                 else:
                     assert torch.equal(got, m(x))
-        x = torch.randn(1, 3, 64)  # one row in float32, any leading shape
-        assert torch.equal(linear(lin, x[:, :1]), lin(x[:, :1]))
+        x = torch.randn(1, 3, 64)  # one row in float32, any leading shape: torch's own product on AVX-512 builds
+        if kernels.isa() == "avx512":
+            assert torch.equal(linear(lin, x[:, :1]), lin(x[:, :1]))
         q, k = linears([lin, nn.Linear(64, 32)], x)  # [1, 3, 96], [1, 3, 32]: one call, split
         assert q.shape == (1, 3, 96) and k.shape == (1, 3, 32)
         torch.testing.assert_close(q, lin(x), rtol=1e-5, atol=1e-5)
@@ -99,7 +103,8 @@ def test_kernel_off_by_environment_is_said(monkeypatch):
     kernels._STATE.clear()
     try:
         assert not kernels.available()
-        assert kernels.status() == {"used": False, "why_not": f"${kernels.KERNELS_ENV}=off", "build_s": 0.0}
+        assert kernels.status() == {"used": False, "why_not": f"${kernels.KERNELS_ENV}=off", "build_s": 0.0,
+                                    "isa": ""}
         with torch.inference_mode():
             lin, x = nn.Linear(64, 96), torch.randn(4, 64)
             assert torch.equal(linear(lin.bfloat16(), x.bfloat16()), lin(x.bfloat16()))

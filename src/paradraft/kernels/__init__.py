@@ -86,6 +86,7 @@ def _load() -> None:
     if setting == "avx2":  # the AVX2 build on a CPU that has more (to measure or test it there)
         flags = flags & {"avx2", "fma"}
     cflags = _compile_flags(flags)
+    _STATE["isa"] = "" if cflags is None else "avx512" if "-mavx512f" in cflags else "avx2"
     if cflags is None:
         _STATE["why"] = "this CPU lacks AVX2 and FMA"
         return
@@ -144,10 +145,15 @@ def available() -> bool:
     return _STATE["ok"]
 
 
+def isa() -> str:
+    """The instruction set the kernel in this process was built for: "avx512", "avx2", or "" (none here)."""
+    return _STATE.get("isa", "") if available() else ""
+
+
 def status() -> dict:
-    """{"used": bool, "why_not": str, "build_s": float}: for benchmarks' JSON."""
+    """{"used": bool, "why_not": str, "build_s": float, "isa": str}: for benchmarks' JSON."""
     available()
-    return {"used": _STATE["ok"], "why_not": _STATE["why"], "build_s": round(_STATE["build_s"], 2)}
+    return {"used": _STATE["ok"], "why_not": _STATE["why"], "build_s": round(_STATE["build_s"], 2), "isa": isa()}
 
 
 def small_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:

@@ -6,10 +6,11 @@ THE rule of which path a CPU projection takes at inference (`linear`, `linears`)
   hosts, kernels.pack_tiles), 2..128 bfloat16 rows take `tile_linear` on them: a verification step's rows then read
   the weights as fast as one row does, a batch of 32 rows ~1.6x as fast as torch's path, 64-128 rows ~1.3x
   (measured by benchmarks/bench_small_linear.py); a longer prefill is as fast or faster through torch (oneDNN);
-- paradraft's kernel (kernels/, AVX-512 hosts) for 1..16 rows in bfloat16 and 2..16 rows in float32, measured
-  faster than torch's path there (BENCHMARKS.md, "The engine at the machine's limit"; beyond 16 rows torch's
-  path, AMX through oneDNN, is faster). One float32 row stays on torch's path (as fast there): an eager decoding
-  step is then computed as Hugging Face computes it;
+- paradraft's kernel (kernels/) for 1..16 rows in bfloat16 and 2..16 rows in float32 where it is built for
+  AVX-512, measured faster than torch's path there (BENCHMARKS.md, "The engine at the machine's limit"; beyond 16
+  rows torch's path, AMX through oneDNN, is faster). One float32 row stays on torch's path there (as fast): an
+  eager decoding step is then computed as Hugging Face computes it. Where it is built for AVX2 it takes one float32
+  row too (`kernel_rows`: torch's path streamed it at half the kernel's speed);
 - else, on hosts without the kernel, the measured small-M rule below for 2..16 float32 rows;
 - bfloat16 rows beyond the kernel's (a prefill) where torch has no bf16 GEMM on this CPU (oneDNN's needs AVX-512
   BF16 or AMX; `_onednn_bf16`): the product in float32, rounded once to bf16 as torch's own bf16 product is. torch's
@@ -80,6 +81,16 @@ def _measure(w: torch.Tensor, rows: int, repeats: int = 5, cold_bytes: int = 64 
 
 
 KERNEL_ROWS = {torch.bfloat16: (1, 16), torch.float32: (2, 16)}  # rows the kernel takes, per dtype (see above)
+KERNEL_ROWS_AVX2 = {torch.bfloat16: (1, 16), torch.float32: (1, 16)}  # the same for the kernel's AVX2 build
+
+
+def kernel_rows(dtype: torch.dtype) -> tuple[int, int]:
+    """The rows (lo, hi) the kernel here takes in this dtype (KERNEL_ROWS; KERNEL_ROWS_AVX2 for an AVX2 build, where
+    torch's path is not as fast for one float32 row: 12.8 against the kernel's 23.9 GB/s on the 2-core AMD EPYC of
+    BENCHMARKS.md); (1, 0) where there is no kernel."""
+    if not kernels.available():
+        return (1, 0)
+    return (KERNEL_ROWS_AVX2 if kernels.isa() == "avx2" else KERNEL_ROWS).get(dtype, (1, 0))
 TILE_ROWS = (2, 128)  # bfloat16 rows that take tile-packed weights where the caller has them (one row: the
 # kernel, as fast on the weights in place)
 
@@ -96,8 +107,8 @@ def _plain(module: nn.Module, x: torch.Tensor) -> bool:
 
 
 def _kernel_rows(x: torch.Tensor, rows: int) -> bool:
-    lo, hi = KERNEL_ROWS.get(x.dtype, (1, 0))
-    return lo <= rows <= hi and kernels.available()
+    lo, hi = kernel_rows(x.dtype)
+    return lo <= rows <= hi
 
 
 def _onednn_bf16() -> bool:
@@ -111,7 +122,7 @@ _CPU: dict[str, bool] = {}
 
 
 def _bf16_in_float32(x: torch.Tensor, rows: int) -> bool:
-    return x.dtype == torch.bfloat16 and rows > KERNEL_ROWS[torch.bfloat16][1] and not _onednn_bf16()
+    return x.dtype == torch.bfloat16 and rows > KERNEL_ROWS[torch.bfloat16][1] and not _onednn_bf16()  # 16
 
 
 def _tile_rows(x: torch.Tensor, rows: int, tiles) -> bool:
