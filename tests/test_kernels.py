@@ -59,7 +59,7 @@ def test_the_rule_takes_the_kernel_only_where_measured_faster_and_never_for_trai
     product on AVX-512 builds (plain float32 decoding computed as Hugging Face computes it); many rows, and anything
     outside inference mode (training, its no-grad parts): the module (bf16 rows beyond the kernel's in float32 where
     torch has no bf16 GEMM)."""
-    from paradraft.verifier import linear as lin_mod
+    from paradraft.utils import bf16_gemm
 
     torch.manual_seed(0)
     lin = nn.Linear(64, 96)
@@ -74,7 +74,7 @@ def test_the_rule_takes_the_kernel_only_where_measured_faster_and_never_for_trai
                 got = linear(m, x)
                 if lo <= rows <= hi:
                     assert torch.equal(got, kernels.small_linear(x, [m.weight]) + m.bias)
-                elif rows > hi and dtype == torch.bfloat16 and not lin_mod._onednn_bf16():  # float32 inside
+                elif rows > hi and dtype == torch.bfloat16 and not bf16_gemm("cpu"):  # float32 inside
                     assert torch.equal(got, torch.nn.functional.linear(x.float(), m.weight.float(),
                                                                        m.bias.float()).bfloat16())
                 else:
@@ -167,20 +167,20 @@ def test_the_avx2_build_equals_the_product_and_has_no_attention(tmp_path):
 def test_bf16_prefill_rows_in_float32_only_where_torch_has_no_bf16_gemm(monkeypatch):
     """bf16 rows beyond the kernel's: where torch has no oneDNN bf16 GEMM, the product in float32 rounded once (equal
     to the float64 product within one bf16 rounding); where it has one, and outside inference, the module itself."""
-    from paradraft.verifier import linear as lin_mod
+    from paradraft import utils
 
     torch.manual_seed(0)
     lin = nn.Linear(96, 40).bfloat16()
     x = torch.randn(2, 25, 96).bfloat16()  # 50 rows: beyond the kernel's 16
     ref = (x.double() @ lin.weight.double().T + lin.bias.double()).bfloat16()  # [2, 25, 40]
-    monkeypatch.setitem(lin_mod._CPU, "bf16", False)
+    monkeypatch.setitem(utils._BF16_GEMM, "cpu", False)
     with torch.inference_mode():
         got = linear(lin, x)
     assert got.dtype == torch.bfloat16 and got.shape == (2, 25, 40)
     assert ((got.double() - ref.double()).abs() <= ref.double().abs() * 2 ** -7 + 1e-6).all()  # one bf16 ulp
     with torch.no_grad():  # training's no-grad work: the module as it is
         assert torch.equal(linear(lin, x), lin(x))
-    monkeypatch.setitem(lin_mod._CPU, "bf16", True)
+    monkeypatch.setitem(utils._BF16_GEMM, "cpu", True)
     with torch.inference_mode():
         assert torch.equal(linear(lin, x), lin(x))
 

@@ -165,6 +165,46 @@ def test_each_algorithm_trains_with_its_own_defaults_and_a_given_flag_wins(world
     assert isinstance(t.opt, torch.optim.AdamW)
 
 
+def test_muon_orthogonalises_in_float32_where_bf16_products_are_slow(monkeypatch):
+    """Where torch has no fast bf16 product (utils.bf16_gemm; an AVX2 CPU) Muon's Newton-Schulz iteration runs in
+    float32 (newton_schulz_float32: torch's iteration within bf16's rounding, wide and tall), its first step exactly
+    p (1 - lr wd) - lr 0.2 sqrt(max(A, B)) NS(grad); elsewhere torch's own bf16 iteration; torch's function is back in
+    place after each step."""
+    import torch.optim._muon as muon_impl
+
+    from paradraft import utils
+    from paradraft.train.trainer import MuonAdamW, newton_schulz_float32
+
+    coeffs = (muon_impl.DEFAULT_A, muon_impl.DEFAULT_B, muon_impl.DEFAULT_C)
+    g = torch.Generator().manual_seed(0)
+    for shape in ((16, 48), (48, 16)):
+        grad = torch.randn(*shape, generator=g)
+        ours = newton_schulz_float32(grad, coeffs, 5, 1e-7)
+        assert ours.dtype == torch.float32 and ours.shape == grad.shape
+        torch.testing.assert_close(ours, muon_impl._zeropower_via_newtonschulz(grad, coeffs, 5, 1e-7).float(),
+                                   rtol=0.05, atol=0.03)
+    torch_ns = muon_impl._zeropower_via_newtonschulz
+    cfg = TrainConfig(hidden_states="hs", optimizer="muon", lr=1e-2, muon_weight_decay=0.1)
+    results = {}
+    for fast in (False, True):
+        monkeypatch.setitem(utils._BF16_GEMM, "cpu", fast)
+        lin = torch.nn.Linear(48, 16, bias=False)  # [16, 48]
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(16, 48, generator=torch.Generator().manual_seed(1)))
+        p0 = lin.weight.detach().clone()
+        opt = MuonAdamW(torch.nn.Sequential(lin), cfg)
+        assert opt.ns_float32 is not fast
+        lin.weight.grad = torch.randn(16, 48, generator=torch.Generator().manual_seed(2))
+        grad = lin.weight.grad.clone()
+        opt.step()
+        assert muon_impl._zeropower_via_newtonschulz is torch_ns
+        results[fast] = lin.weight.detach().clone()
+    want = p0 * (1 - 1e-2 * 0.1) - 1e-2 * 0.2 * 48 ** 0.5 * newton_schulz_float32(grad, coeffs, 5, 1e-7)
+    torch.testing.assert_close(results[False], want, rtol=1e-6, atol=1e-6)  # float32: the iteration above
+    assert not torch.allclose(results[True], want, rtol=1e-6, atol=1e-6)  # torch's bf16 iteration: not bit-equal
+    torch.testing.assert_close(results[True], want, rtol=0.02, atol=2e-3)  # but the same update within bf16's
+
+
 @pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
 def test_init_std_draws_the_fc_and_draft_layer_matrices_from_a_normal_and_keeps_the_verifier_rows(world, algorithm):
     """--init-std (the reference trainer's init): fc and every draft-layer weight matrix ~ N(0, std) from the run's

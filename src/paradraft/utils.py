@@ -26,6 +26,28 @@ def fast_dtype(device: str) -> str:
     return "bfloat16" if amx is not None and amx() else "float32"
 
 
+_BF16_GEMM: dict[str, bool] = {}  # device type -> bf16_gemm's answer
+
+
+def bf16_gemm(device: str = "cpu") -> bool:
+    """Whether torch multiplies bf16 matrices through a fast kernel on `device`: a CUDA GPU that supports bf16, or a
+    CPU where oneDNN takes them (AVX-512 BF16 or AMX). Elsewhere torch's CPU fallback costs every row what one row
+    costs: on a 2-core AMD EPYC with AVX2 a 150-row bf16 projection took 16 ms against 2.2 ms in float32, and
+    Muon's bf16 orthogonalisation made a quickstart training step 26 s (BENCHMARKS.md, "The engine at the machine's
+    limit", fifth run). The engine (verifier/linear.py) and Muon (train/trainer.py) then compute in float32."""
+    import torch
+
+    kind = torch.device(device).type
+    if kind not in _BF16_GEMM:
+        if kind == "cuda":
+            _BF16_GEMM[kind] = bool(torch.cuda.is_bf16_supported())
+        elif kind == "cpu":
+            _BF16_GEMM[kind] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        else:
+            _BF16_GEMM[kind] = True
+    return _BF16_GEMM[kind]
+
+
 # a compiled step's loops over fewer elements than this run on one thread (inductor's cpp.min_chunk_size, per
 # thread of 2): a decoding or verification step's norms, rotations and residuals of up to 16 rows of the embedded
 # verifier (~10k elements) took OpenMP's fork and join for a few microseconds of work each. Measured on the 2-core AMX

@@ -40,6 +40,7 @@ from ..models.registry import drafter_class
 from ..outputs import KIND_FILES, claim_dir, output_lock, write_marker
 from ..utils import (
     DTYPES,
+    bf16_gemm,
     fingerprint,
     json_safe,
     read_json,
@@ -59,6 +60,40 @@ from .plot import plot_metrics
 # 2-D weights that stay with AdamW under --optimizer muon: token embeddings and the output head are lookup tables /
 # classifiers, not layer maps, and orthogonalising their updates is not what Muon is for (Keller Jordan's practice)
 _ADAMW_ONLY = ("embed_tokens", "lm_head")
+
+
+def newton_schulz_float32(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                          eps: float) -> torch.Tensor:
+    """Muon's orthogonalisation of an update [A, B] (the quintic Newton-Schulz iteration with the coefficients torch's
+    Muon passes) in float32. torch runs it in bf16, which is fast only where bf16 matrix products are
+    (`utils.bf16_gemm`): on a 2-core AVX2 CPU each of its products took ~0.27 s, 23 s of a 26 s quickstart step."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T  # [min(A, B), max(A, B)]: the Gram matrix on the short side
+    x = x / x.norm().clamp(min=eps)  # spectral norm <= 1
+    for _ in range(ns_steps):
+        gram = x @ x.T  # [n, n]
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
+    return x.T if tall else x
+
+
+@contextlib.contextmanager
+def _muon_in_float32(on: bool):
+    """torch's Muon with `newton_schulz_float32` in place of its bf16 iteration while inside (when `on`)."""
+    import torch.optim._muon as muon_impl
+
+    name = "_zeropower_via_newtonschulz"
+    if not on or not hasattr(muon_impl, name):
+        yield
+        return
+    torch_ns = getattr(muon_impl, name)
+    setattr(muon_impl, name, newton_schulz_float32)
+    try:
+        yield
+    finally:
+        setattr(muon_impl, name, torch_ns)
 
 
 class MuonAdamW:
@@ -85,14 +120,17 @@ class MuonAdamW:
         for g in self.muon.param_groups if self.muon else []:
             g["lr_scale"] = muon_lr / cfg.lr
         self.parts = {k: o for k, o in (("muon", self.muon), ("adamw", self.adamw)) if o is not None}
+        # Muon's iteration in float32 where bf16 products are slow (a CPU without oneDNN's bf16, utils.bf16_gemm)
+        self.ns_float32 = bool(matrices) and not bf16_gemm(str(matrices[0].device))
 
     @property
     def param_groups(self) -> list[dict]:
         return [g for o in self.parts.values() for g in o.param_groups]
 
     def step(self) -> None:
-        for o in self.parts.values():
-            o.step()
+        for k, o in self.parts.items():
+            with _muon_in_float32(k == "muon" and self.ns_float32):
+                o.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.parts.values():

@@ -13,7 +13,7 @@ THE rule of which path a CPU projection takes at inference (`linear`, `linears`)
   row too (`kernel_rows`: torch's path streamed it at half the kernel's speed);
 - else, on hosts without the kernel, the measured small-M rule below for 2..16 float32 rows;
 - bfloat16 rows beyond the kernel's (a prefill) where torch has no bf16 GEMM on this CPU (oneDNN's needs AVX-512
-  BF16 or AMX; `_onednn_bf16`): the product in float32, rounded once to bf16 as torch's own bf16 product is. torch's
+  BF16 or AMX; `utils.bf16_gemm`): the product in float32, rounded once to bf16 as torch's own bf16 product is. torch's
   fallback costs every row what one row costs: on the 2-core AMD EPYC (AVX2) of BENCHMARKS.md 150 rows of a
   576 -> 1536 projection took 16 ms, against 2.2 ms in float32 with the weight converted in the call;
 - else the module as it is.
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..utils import bf16_gemm
 
 SMALL_M_ENV = "PARADRAFT_SMALL_M"
 _FASTER: dict[tuple[int, int, int, int], bool] = {}  # (rows, out, in, threads) -> the transposed path measured faster
@@ -111,18 +112,8 @@ def _kernel_rows(x: torch.Tensor, rows: int) -> bool:
     return lo <= rows <= hi
 
 
-def _onednn_bf16() -> bool:
-    """Whether torch multiplies bf16 matrices through oneDNN on this CPU (AVX-512 BF16 or AMX)."""
-    if "bf16" not in _CPU:
-        _CPU["bf16"] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return _CPU["bf16"]
-
-
-_CPU: dict[str, bool] = {}
-
-
 def _bf16_in_float32(x: torch.Tensor, rows: int) -> bool:
-    return x.dtype == torch.bfloat16 and rows > KERNEL_ROWS[torch.bfloat16][1] and not _onednn_bf16()  # 16
+    return x.dtype == torch.bfloat16 and rows > KERNEL_ROWS[torch.bfloat16][1] and not bf16_gemm("cpu")  # 16
 
 
 def _tile_rows(x: torch.Tensor, rows: int, tiles) -> bool:
