@@ -1010,7 +1010,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   return out;
 }
 
-
 // whether tile_linear runs here: built with AMX and granted the tile state by the OS
 bool tiles_ready() {
 #ifdef __AMX_BF16__
