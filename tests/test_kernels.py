@@ -150,7 +150,7 @@ print("avx2 ok")
 
 @pytest.mark.slow
 @pytest.mark.skipif(not {"avx2", "fma"} <= kernels._cpu_flags(), reason="no AVX2 and FMA here")
-def test_the_avx2_build_equals_the_product_and_has_no_attention(tmp_path):
+def test_the_avx2_build_equals_the_product_and_the_softmax_attention(tmp_path):
     """The AVX2 variant ($PARADRAFT_KERNELS=avx2; what a CPU without AVX-512 builds) in its own process: built,
     no tiles, small_linear equal to the float64 product for 1..64 rows and K off its 8- and 16-lane steps, and
     decode_attention through the same cases as the AVX-512 build's."""
