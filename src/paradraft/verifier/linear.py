@@ -83,6 +83,8 @@ def _measure(w: torch.Tensor, rows: int, repeats: int = 5, cold_bytes: int = 64 
 
 KERNEL_ROWS = {torch.bfloat16: (1, 16), torch.float32: (2, 16)}  # rows the kernel takes, per dtype (see above)
 KERNEL_ROWS_AVX2 = {torch.bfloat16: (1, 16), torch.float32: (1, 16)}  # the same for the kernel's AVX2 build
+TILE_ROWS = (2, 128)  # bfloat16 rows that take tile-packed weights where the caller has them (one row: the
+# kernel, as fast on the weights in place)
 
 
 def kernel_rows(dtype: torch.dtype) -> tuple[int, int]:
@@ -92,8 +94,6 @@ def kernel_rows(dtype: torch.dtype) -> tuple[int, int]:
     if not kernels.available():
         return (1, 0)
     return (KERNEL_ROWS_AVX2 if kernels.isa() == "avx2" else KERNEL_ROWS).get(dtype, (1, 0))
-TILE_ROWS = (2, 128)  # bfloat16 rows that take tile-packed weights where the caller has them (one row: the
-# kernel, as fast on the weights in place)
 
 
 def _plain(module: nn.Module, x: torch.Tensor) -> bool:
