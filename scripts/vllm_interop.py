@@ -3,7 +3,9 @@ benchmark command on both engines.
 
 1. trains short P-EAGLE (1 layer and --peagle-layers N, with P-EAGLE's default q/k-norm layer, and with
    --llama-layer one with a Llama-style layer, no norm before residual) and EAGLE-3 drafters on the verifier (or
-   takes --drafter);
+   takes --drafter): the verifier regenerates 48 conversations, `extract` stores their hidden states once in
+   float32, and every drafter trains offline from them (online training would run the verifier again on every
+   step of every drafter: on a 2-core AVX2 CPU that was 4-6 s of a 10 s step);
 2. `paradraft bench --engine paradraft` and `paradraft bench --engine vllm` on the same held-out prompts, float32,
    greedy, batch 1 (vLLM runs in its own environment through paradraft.vllm_driver);
 3. asserts, for plain decoding and every drafter at every K: identical generated tokens (output digests) and equal
@@ -26,25 +28,32 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def short_drafters(work: Path, steps: int, verifier: str, peagle_layers: list[int], eagle3: bool = True,
                    llama_layer: bool = False) -> list[Path]:
-    from paradraft.config import PrepareConfig, RegenerateConfig, TrainConfig
+    from paradraft.config import ExtractConfig, PrepareConfig, RegenerateConfig, TrainConfig
     from paradraft.pipeline import run_steps
 
     regen = work / "regenerated.jsonl"
     chain = [("regenerate", RegenerateConfig(data=["sharegpt"], output=str(regen), max_samples=48, max_new_tokens=128,
                                              max_prompt_tokens=256, batch_size=16, verifier=verifier)),
              ("prepare", PrepareConfig(data=[str(regen)], output=str(work / "data"), seq_length=512,
-                                       val_fraction=0.1, verifier=verifier))]
+                                       val_fraction=0.1, verifier=verifier)),
+             ("extract", ExtractConfig(data=str(work / "data"), output=str(work / "hidden_states"), dtype="float32"))]
+    run_steps(chain)
+    # the draft vocabulary holds every token the answers train (~1,000 distinct in the embedded verifier's 48, a
+    # quarter of 8192's head to train; a random verifier's answers use more): the next power of 2, 8192 at most
+    import numpy as np
+    trained = int((np.load(work / "data" / "token_freqs.npy") > 0).sum())
+    vocab = min(8192, 1 << max(10, (trained - 1).bit_length()))
     runs = [("peagle" if n == 1 else f"peagle-{n}layers", "peagle", n, {}) for n in peagle_layers]
     if llama_layer:  # P-EAGLE's layer before 2026-12-04 (--draft-layer llama): no q/k norms, no norm before residual
         runs.append(("peagle-llama-layer", "peagle", 1, {"draft_layer": "llama", "norm_before_residual": False}))
     if eagle3:
         runs.append(("eagle3", "eagle3", 1, {}))
-    for name, algo, layers, over in runs:
-        chain.append(("train", TrainConfig(algorithm=algo, data=str(work / "data"), online=True, num_layers=layers,
-                                           output=str(work / name), max_steps=steps, lr=1e-3, warmup_steps=5,
-                                           batch_tokens=2048, draft_vocab_size=8192, num_depths=6, ttt_steps=3,
-                                           save_every=10_000, num_speculative_tokens=3, **over)))
-    run_steps(chain)
+    # 3 depths: what K=3 reads (the quickstart's choice too)
+    run_steps([("train", TrainConfig(algorithm=algo, data=str(work / "data"), hidden_states=str(work / "hidden_states"),
+                                     num_layers=layers, output=str(work / name), max_steps=steps, lr=1e-3,
+                                     warmup_steps=5, batch_tokens=2048, draft_vocab_size=vocab, num_depths=3,
+                                     ttt_steps=3, save_every=10_000, num_speculative_tokens=3, **over))
+               for name, algo, layers, over in runs])
     return [work / name for name, _, _, _ in runs]
 
 
