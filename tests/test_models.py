@@ -417,3 +417,30 @@ def test_peagle_row_cache_drafts_what_the_element_cache_drafts(flavour, kernel, 
             ref = model.draft(b.tokens[nxt], b.hidden[nxt], b.positions[nxt], K, copy.deepcopy(elems), doc=rows[1:],
                               counts=[1])
             torch.testing.assert_close(one, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_compiled_row_pass_compiles_once_for_one_slot_and_several():
+    """P-EAGLE's compiled drafting pass on one row: a pass of one new slot (nothing accepted) and passes of several
+    run one compiled graph (dynamo specialises a dimension of size 1, so they were two compilations and the second
+    fell inside timed runs), and it drafts what the eager pass drafts."""
+    import torch._dynamo
+
+    model, _ = tiny_drafter("peagle", "qwen3")
+    eager = copy.deepcopy(model)  # never compiled: draft_rows runs its pass eagerly
+    model.compile_rows()
+    K = 3
+    b = random_slots(40, model, doc_lengths=[40])
+    passes = [20, 1, 2, 1, 4, 3, 1]  # the prompt's pass (eager: more than 16 elements), then the engine's passes
+    rows = torch.tensor([0])
+    caches = model.row_cache(1, 64, K), eager.row_cache(1, 64, K)
+    with torch.no_grad():
+        done = 0
+        for i, c in enumerate(passes):
+            args = (b.tokens[done:done + c], b.hidden[done:done + c], b.positions[done:done + c], [c], rows, K)
+            # the first compiled pass (one slot) compiles; no later pass may compile again
+            with torch._dynamo.config.patch(error_on_recompile=i > 1):
+                got = model.draft_rows(*args, caches[0])
+            torch.testing.assert_close(got, eager.draft_rows(*args, caches[1]), atol=1e-4, rtol=1e-4)
+            done += c
+    assert model.compile_s > 0
