@@ -271,8 +271,8 @@ class PEagleDrafter(DraftModel):
             # one new slot (one row, no draft accepted) goes in as two, the slot repeated: dynamo specialises a
             # dimension of size 1 even where it is marked dynamic, so a pass of one slot and a pass of several were
             # two compilations, and the second one fell inside a timed run when a warm-up accepted nothing (1.4 s
-            # in a 7 s benchmark of a tiny GPT-OSS drafter). The repeat is never read: a row's context slots are
-            # its first c, and the others are masks.
+            # for a tiny GPT-OSS drafter on a 2-core CPU). The repeat is never read: a row's context slots are its
+            # first c, and the others are masks.
             tokens, hidden, positions = tokens.repeat(2), hidden.repeat(2, 1), positions.repeat(2)  # [2], [2, 3Hv]
             args = (tokens, hidden, positions, *args[3:])
         for t in args[:7]:  # slots, rows, elements per row and the batch vary from pass to pass and call to call
