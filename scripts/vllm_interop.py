@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def short_drafters(work: Path, steps: int, verifier: str, peagle_layers: list[int], eagle3: bool = True,
                    llama_layer: bool = False) -> list[Path]:
     from paradraft.config import ExtractConfig, PrepareConfig, RegenerateConfig, TrainConfig
+    from paradraft.data.prepare import PreparedDataset
     from paradraft.pipeline import run_steps
 
     regen = work / "regenerated.jsonl"
@@ -39,9 +40,8 @@ def short_drafters(work: Path, steps: int, verifier: str, peagle_layers: list[in
              ("extract", ExtractConfig(data=str(work / "data"), output=str(work / "hidden_states"), dtype="float32"))]
     run_steps(chain)
     # the draft vocabulary holds every token the answers train (~1,000 distinct in the embedded verifier's 48, a
-    # quarter of 8192's head to train; a random verifier's answers use more): the next power of 2, 8192 at most
-    import numpy as np
-    trained = int((np.load(work / "data" / "token_freqs.npy") > 0).sum())
+    # quarter of 8192's head to train; a random verifier's answers use more): the next power of 2, 1024 to 8192
+    trained = int((PreparedDataset(work / "data").token_freqs() > 0).sum())
     vocab = min(8192, 1 << max(10, (trained - 1).bit_length()))
     runs = [("peagle" if n == 1 else f"peagle-{n}layers", "peagle", n, {}) for n in peagle_layers]
     if llama_layer:  # P-EAGLE's layer before 2026-12-04 (--draft-layer llama): no q/k norms, no norm before residual

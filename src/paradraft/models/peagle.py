@@ -264,17 +264,17 @@ class PEagleDrafter(DraftModel):
             if len(self._index_cache) > 256:
                 self._index_cache.clear()
             idx = self._index_cache[key] = (torch.tensor(counts, device=dev), torch.arange(n, device=dev))
-        args = (tokens, hidden, positions, *idx, rows, cache.origin, cache.kv, k)
-        if self._compiled_rows is None or n > kernels.ATTENTION_QUERIES:  # a prompt's pass stays eager
-            return self._rows_pass(*args)
-        if tokens.shape[0] == 1:
+        eager = self._compiled_rows is None or n > kernels.ATTENTION_QUERIES  # a prompt's pass stays eager
+        if not eager and tokens.shape[0] == 1:
             # one new slot (one row, no draft accepted) goes in as two, the slot repeated: dynamo specialises a
             # dimension of size 1 even where it is marked dynamic, so a pass of one slot and a pass of several were
             # two compilations, and the second one fell inside a timed run when a warm-up accepted nothing (1.4 s
             # for a tiny GPT-OSS drafter on a 2-core CPU). The repeat is never read: a row's context slots are its
             # first c, and the others are masks.
             tokens, hidden, positions = tokens.repeat(2), hidden.repeat(2, 1), positions.repeat(2)  # [2], [2, 3Hv]
-            args = (tokens, hidden, positions, *args[3:])
+        args = (tokens, hidden, positions, *idx, rows, cache.origin, cache.kv, k)
+        if eager:
+            return self._rows_pass(*args)
         for t in args[:7]:  # slots, rows, elements per row and the batch vary from pass to pass and call to call
             torch._dynamo.maybe_mark_dynamic(t, 0)
         for kc, vc in cache.kv:  # a generate call's rows and places
