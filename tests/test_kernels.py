@@ -354,6 +354,36 @@ def test_decode_attention_equals_softmax_attention(dtype, D):
         kernels.decode_attention(torch.zeros(1, 17, H, D, dtype=dtype), kc, vc, r, torch.zeros(1, 17), 0.125)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_decode_attention_over_many_keys_on_any_threads(dtype, threads):
+    """A batch of one row with 3 kv heads and hundreds of keys: on AVX2 builds each kv head's keys are split into
+    chunks across the threads (2 threads: 2 chunks, 4: 4) and their partial softmaxes combined; chunk edges inside a
+    window, a window past a chunk, sinks, 1 to 16 queries, and a second row (no split at 2 pairs per thread)."""
+    g = torch.Generator().manual_seed(1)
+    B, KVH, S_max, H, D = 2, 3, 700, 9, 64
+    kc = torch.randn(B, KVH, S_max, D, generator=g).to(dtype)
+    vc = torch.randn(B, KVH, S_max, D, generator=g).to(dtype)
+    sinks = torch.randn(H, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, rows, starts, window, sk in ((1, [1], [300], 0, None), (4, [0], [517], 0, None),
+                                            (16, [1], [130], 0, sinks), (3, [0], [650], 100, None),
+                                            (4, [1], [400], 20, sinks), (1, [0], [127], 0, None),
+                                            (4, [1, 0], [301, 602], 0, None)):
+            q = torch.randn(len(rows), n, H, D, generator=g).to(dtype)
+            pos = torch.tensor(starts)[:, None] + torch.arange(n)[None]  # [B', n]
+            r = torch.tensor(rows)
+            got = kernels.decode_attention(q, kc, vc, r, pos, 0.125, window, sk)
+            want = _attention_reference(q, kc, vc, r, pos, 0.125, window, sk)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _mapping_fields(addr: int) -> dict[str, str] | None:
     """The fields (AnonHugePages, VmFlags, ...) of the mapping in /proc/self/smaps that holds addr; None where smaps
     is not readable."""

@@ -203,9 +203,9 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: 
     caches kc / vc [B, KVH, S_max, D] holding this step's keys and values, rows [B'] (each query row's cache row),
     pos [B', n] (each query's position: key j is visible when j <= pos, and j > pos - window with a window),
     sinks [H] (a logit per head in the softmax's denominator) -> [B', n, H, D] in q's dtype. Scores, softmax
-    and the weighted sum in float32, a task per (row, kv head) with the heads of its group (per head where there
-    are few such tasks) over torch's threads; 1 <= n <= ATTENTION_QUERIES, D a multiple of 16, bfloat16 or
-    float32."""
+    and the weighted sum in float32, a task per (row, kv head) with the heads of its group over torch's threads
+    (where there are few such tasks: per head on AVX-512 builds, a row's keys split into chunks on AVX2 builds);
+    1 <= n <= ATTENTION_QUERIES, D a multiple of 16, bfloat16 or float32."""
     empty = q.new_empty(0, dtype=torch.float32)
     return torch.ops.paradraft.decode_attention(q, kc, vc, rows, pos, int(window), float(scale),
                                                 empty if sinks is None else sinks)

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -692,49 +693,74 @@ inline __m256 exp_neg(__m256 x) {
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, two_k));
 }
 
-// the AVX-512 softmax_exp's contract: sr[a, b) becomes exp(scale * s - max), the normalizer 1 / sum is returned
-inline float softmax_exp(float* sr, int64_t a, int64_t b, float scale, const float* sink) {
-  float mx = -INFINITY;
-  for (int64_t t = a; t < b; ++t) mx = std::max(mx, sr[t] * scale);
-  if (sink) mx = std::max(mx, *sink);
-  const __m256 sc = _mm256_set1_ps(scale), mxv = _mm256_set1_ps(mx);
-  __m256 sum = _mm256_setzero_ps();
-  float tail[8] = {};
-  for (int64_t t = a; t < b; t += 8) {
-    const int64_t nt = std::min<int64_t>(8, b - t);
-    if (nt == 8) {
-      const __m256 e = exp_neg(_mm256_fmsub_ps(_mm256_loadu_ps(sr + t), sc, mxv));
-      _mm256_storeu_ps(sr + t, e);
-      sum = _mm256_add_ps(sum, e);
-    } else {  // the last keys: through a zero-padded copy whose padding takes no part
-      for (int64_t i = 0; i < 8; ++i) tail[i] = i < nt ? sr[t + i] * scale - mx : -INFINITY;
-      _mm256_storeu_ps(tail, exp_neg(_mm256_loadu_ps(tail)));
-      for (int64_t i = 0; i < nt; ++i) sr[t + i] = tail[i];
-      sum = _mm256_add_ps(sum, _mm256_loadu_ps(tail));
-    }
-  }
-  return 1.0f / (hsum8(sum) + (sink ? std::exp(*sink - mx) : 0.0f));
-}
-
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t D) {  // D a multiple of 16
   for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
 }
 
-// the AVX-512 attend_group's contract and steps (scores 4 keys at a time, softmax, the weighted sum a chunk of CH
-// converted values at a time), 8 lanes wide
+// the attention of R query rows (qf [R, D] float32: the group's heads x the step's queries) over the keys [c0, c1)
+// of one kv head, k, v [S_max, D] (row stride D): query r sees the keys [lo[r], hi[r]] of it. Not normalized, so
+// that the chunks of one kv head's keys can run on different threads (combine_chunks): mx[r] the row's largest
+// scaled score there (-inf where it sees none), sm[r] the sum of exp(scale * s - mx[r]) over the keys it sees, and
+// of [R, D] the sum of those exponentials times the values, in float32. Keys and values are read and converted once
+// for every query of the group; scores 4 keys x 2 rows at a time, then the weighted sum a chunk of CH converted
+// values at a time, 2 rows at once.
+// RB query rows (qf, row stride D) against 4 keys in float32 (kf [4, D]) -> their scores (row stride W): RB x 4
+// accumulators, so that the FMAs' latency is hidden (one row's 4 chains of D / 8 dependent FMAs were its cost)
+template <int RB>
+inline void scores_4keys(const float* qf, const float* kf, int64_t D, float* s, int64_t W) {
+  __m256 acc[RB][4];
+  for (int r = 0; r < RB; ++r)
+    for (int jj = 0; jj < 4; ++jj) acc[r][jj] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 qv[RB];
+    for (int r = 0; r < RB; ++r) qv[r] = _mm256_loadu_ps(qf + r * D + d);
+    for (int jj = 0; jj < 4; ++jj) {
+      const __m256 kv = _mm256_loadu_ps(kf + jj * D + d);
+      for (int r = 0; r < RB; ++r) acc[r][jj] = _mm256_fmadd_ps(qv[r], kv, acc[r][jj]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) lane_sums<4>(acc[r], s + r * W);
+}
+
+// of [RB, D] (row stride D) += the weights pr [RB] (row stride W) of cn values vf [cn, D], 32 lanes of the output
+// at a time: RB x 4 accumulators, each value vector read once for the RB rows
+template <int RB>
+inline void weighted_values(const float* pr, int64_t W, const float* vf, int64_t cn, int64_t D, float* of) {
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    const int64_t dn = std::min<int64_t>(32, D - d0) / 8;
+    __m256 acc[RB][4];
+    for (int r = 0; r < RB; ++r)
+      for (int64_t cc = 0; cc < dn; ++cc) acc[r][cc] = _mm256_loadu_ps(of + r * D + d0 + cc * 8);
+    for (int64_t t = 0; t < cn; ++t) {
+      __m256 pv[RB];
+      for (int r = 0; r < RB; ++r) pv[r] = _mm256_set1_ps(pr[r * W + t]);
+      for (int64_t cc = 0; cc < dn; ++cc) {
+        const __m256 vv = _mm256_loadu_ps(vf + t * D + d0 + cc * 8);
+        for (int r = 0; r < RB; ++r) acc[r][cc] = _mm256_fmadd_ps(pv[r], vv, acc[r][cc]);
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int64_t cc = 0; cc < dn; ++cc) _mm256_storeu_ps(of + r * D + d0 + cc * 8, acc[r][cc]);
+  }
+}
+
 template <typename T>
-void attend_group(const float* qf, int64_t R, int64_t D, const T* k, const T* v, const int64_t* lo,
-                  const int64_t* hi, float scale, const float* sink, T* const* out, std::vector<float>& buf) {
+void attend_chunk(const float* qf, int64_t R, int64_t D, const T* k, const T* v, const int64_t* lo,
+                  const int64_t* hi, int64_t c0, int64_t c1, float scale, float* mx, float* sm, float* of,
+                  std::vector<float>& buf) {
   int64_t j0 = lo[0], S = hi[0] + 1;
   for (int64_t r = 1; r < R; ++r) j0 = std::min(j0, lo[r]), S = std::max(S, hi[r] + 1);
+  j0 = std::max(j0, c0), S = std::min(S, c1);
+  for (int64_t x = 0; x < R * D; ++x) of[x] = 0.0f;
+  for (int64_t r = 0; r < R; ++r) mx[r] = -INFINITY, sm[r] = 0.0f;
+  if (S <= j0) return;  // no query sees a key of this chunk
   const int64_t W = S - j0;
   constexpr int64_t CH = 64;
-  buf.resize(R * W + 4 * D + CH * D + R * D);
-  float* s = buf.data();       // [R, W] scores, then probabilities
+  buf.resize(R * W + 4 * D + CH * D);
+  float* s = buf.data();       // [R, W] scores, then exponentials
   float* kf = s + R * W;       // [4, D] a block of keys in float32
   float* vf = kf + 4 * D;      // [CH, D] a chunk of values in float32
-  float* of = vf + CH * D;     // [R, D] outputs in float32
   int64_t j = j0;
   const int64_t row_bytes = D * sizeof(T);
   for (; j + 4 <= S; j += 4) {
@@ -743,14 +769,9 @@ void attend_group(const float* qf, int64_t R, int64_t D, const T* k, const T* v,
       _mm_prefetch(reinterpret_cast<const char*>(v + j * D) + x, _MM_HINT_T1);
     }
     for (int jj = 0; jj < 4; ++jj) to_float(k + (j + jj) * D, kf + jj * D, D);
-    for (int64_t r = 0; r < R; ++r) {
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(qf + r * D + d);
-        for (int jj = 0; jj < 4; ++jj) acc[jj] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + jj * D + d), acc[jj]);
-      }
-      lane_sums<4>(acc, s + r * W + (j - j0));
-    }
+    int64_t r = 0;
+    for (; r + 2 <= R; r += 2) scores_4keys<2>(qf + r * D, kf, D, s + r * W + (j - j0), W);
+    if (r < R) scores_4keys<1>(qf + r * D, kf, D, s + r * W + (j - j0), W);
   }
   for (; j < S; ++j) {
     to_float(k + j * D, kf, D);
@@ -761,35 +782,61 @@ void attend_group(const float* qf, int64_t R, int64_t D, const T* k, const T* v,
       s[r * W + (j - j0)] = hsum8(acc);
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t r = 0; r < R; ++r) {  // each row's exponentials over the keys it sees, zero elsewhere
     float* sr = s + r * W;
-    const int64_t a = lo[r] - j0, b = hi[r] + 1 - j0;  // [a, b) visible
-    const float inv = softmax_exp(sr, a, b, scale, sink ? sink + r : nullptr);
-    for (int64_t t = a; t < b; ++t) sr[t] *= inv;
+    const int64_t a = std::min(std::max(lo[r], j0), S) - j0;  // [a, b) visible, within [0, W]
+    const int64_t b = std::max(std::min(hi[r] + 1, S), j0) - j0;
+    float m = -INFINITY;
+    for (int64_t t = a; t < b; ++t) m = std::max(m, sr[t] * scale);
     for (int64_t t = 0; t < a; ++t) sr[t] = 0.0f;
-    for (int64_t t = b; t < W; ++t) sr[t] = 0.0f;
-  }
-  for (int64_t x = 0; x < R * D; ++x) of[x] = 0.0f;
-  for (int64_t c0 = 0; c0 < W; c0 += CH) {
-    const int64_t cn = std::min(CH, W - c0);
-    for (int64_t t = 0; t < cn; ++t) to_float(v + (j0 + c0 + t) * D, vf + t * D, D);
-    for (int64_t r = 0; r < R; ++r) {
-      const float* pr = s + r * W + c0;
-      for (int64_t d0 = 0; d0 < D; d0 += 32) {  // 4 x 8 lanes of the output in registers
-        const int64_t dn = std::min<int64_t>(32, D - d0) / 8;
-        __m256 acc[4];
-        for (int64_t cc = 0; cc < dn; ++cc) acc[cc] = _mm256_loadu_ps(of + r * D + d0 + cc * 8);
-        for (int64_t t = 0; t < cn; ++t) {
-          const __m256 pv = _mm256_set1_ps(pr[t]);
-          for (int64_t cc = 0; cc < dn; ++cc)
-            acc[cc] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vf + t * D + d0 + cc * 8), acc[cc]);
-        }
-        for (int64_t cc = 0; cc < dn; ++cc) _mm256_storeu_ps(of + r * D + d0 + cc * 8, acc[cc]);
+    for (int64_t t = std::max(a, b); t < W; ++t) sr[t] = 0.0f;
+    if (b <= a) continue;
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    float tail[8];
+    for (int64_t t = a; t < b; t += 8) {
+      const int64_t nt = std::min<int64_t>(8, b - t);
+      if (nt == 8) {
+        const __m256 e = exp_neg(_mm256_fmsub_ps(_mm256_loadu_ps(sr + t), sc, mv));
+        _mm256_storeu_ps(sr + t, e);
+        sum = _mm256_add_ps(sum, e);
+      } else {  // the last keys: through a padded copy whose padding (-inf -> 0) takes no part
+        for (int64_t i = 0; i < 8; ++i) tail[i] = i < nt ? sr[t + i] * scale - m : -INFINITY;
+        _mm256_storeu_ps(tail, exp_neg(_mm256_loadu_ps(tail)));
+        for (int64_t i = 0; i < nt; ++i) sr[t + i] = tail[i];
+        sum = _mm256_add_ps(sum, _mm256_loadu_ps(tail));
       }
     }
+    mx[r] = m, sm[r] = hsum8(sum);
   }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t d = 0; d < D; ++d) out[r][d] = T(of[r * D + d]);  // rounded once
+  for (int64_t c = 0; c < W; c += CH) {
+    const int64_t cn = std::min(CH, W - c);
+    for (int64_t t = 0; t < cn; ++t) to_float(v + (j0 + c + t) * D, vf + t * D, D);
+    int64_t r = 0;
+    for (; r + 2 <= R; r += 2) weighted_values<2>(s + r * W + c, W, vf, cn, D, of + r * D);
+    if (r < R) weighted_values<1>(s + r * W + c, W, vf, cn, D, of + r * D);
+  }
+}
+
+// one query row's output from its C chunks' (mx, sm, of) (strides: P floats between chunks): softmax over every key
+// it saw, a sink's logit (if any) in the denominator; D values in T, rounded once
+template <typename T>
+inline void combine_chunks(const float* mx, const float* sm, const float* of, int64_t C, int64_t P, int64_t D,
+                           const float* sink, T* out) {
+  float m = sink ? *sink : -INFINITY;
+  for (int64_t c = 0; c < C; ++c) m = std::max(m, mx[c * P]);
+  float den = sink ? std::exp(*sink - m) : 0.0f, w[64];
+  for (int64_t c = 0; c < C; ++c) {
+    w[c] = sm[c * P] > 0.0f ? std::exp(mx[c * P] - m) : 0.0f;
+    den += w[c] * sm[c * P];
+  }
+  const float inv = 1.0f / den;
+  for (int64_t d = 0; d < D; ++d) {
+    float o = 0.0f;
+    for (int64_t c = 0; c < C; ++c) o += w[c] * of[c * P + d];
+    out[d] = T(o * inv);
+  }
 }
 #endif  // __AVX512F__
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -913,10 +960,73 @@ void attend_group_amx(const c10::BFloat16* const* q, int64_t R, int64_t D, const
 }
 #endif
 
+#ifndef __AVX512F__
+// run_attention's contract on AVX2 builds: one unit is (query row, kv head, chunk of keys) with every head of the
+// group, reading and converting that chunk's keys and values once for all of them (G * n query rows). With fewer
+// (row, kv head) pairs than 2 per thread (a batch of 1: the embedded verifier's 3 kv heads on 2 threads), each kv
+// head's keys are split into chunks so that every thread gets as many units; the chunks' partial softmaxes are
+// combined afterwards (combine_chunks). Before, a batch of 1 ran a unit per head (9 units: each kv head's keys
+// converted 3 times, 5 units on one thread and 4 on the other).
+template <typename T>
+void run_attention_chunks(const T* q, const T* kc, const T* vc, T* out, const int64_t* rows, const int64_t* pos,
+                          const float* sinks, int64_t Bq, int64_t n, int64_t H, int64_t D, int64_t KVH,
+                          int64_t S_max, int64_t G, int64_t window, float scale) {
+  const int64_t threads = at::get_num_threads(), pairs = Bq * KVH, R = G * n;
+  int64_t keys = 0;
+  for (int64_t x = 0; x < Bq * n; ++x) keys = std::max(keys, pos[x] + 1);
+  // chunks per kv head: pairs * C a multiple of the threads where there are not 2 pairs per thread already, each
+  // chunk at least 64 keys, at most 64 chunks
+  int64_t C = pairs >= 2 * threads ? 1 : threads / std::gcd(pairs, threads);
+  C = std::max<int64_t>(1, std::min({C, keys / 64, int64_t(64)}));
+  const int64_t span = (keys + C - 1) / C;  // keys per chunk
+  const int64_t P = R * (D + 2);  // one unit's partial: mx [R], sm [R], of [R, D]
+  std::vector<float> part(C > 1 ? pairs * C * P : 0);
+  at::parallel_for(0, pairs * C, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> buf, qf(R * D), own(C > 1 ? 0 : P);
+    std::vector<int64_t> lo(R), hi(R);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / (KVH * C), kvh = (u / C) % KVH, c = u % C;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t r = g * n + i, h = kvh * G + g;
+          hi[r] = pos[b * n + i];
+          lo[r] = window > 0 ? std::max<int64_t>(0, hi[r] - window + 1) : 0;
+          to_float(q + ((b * n + i) * H + h) * D, qf.data() + r * D, D);
+        }
+      float* p = C > 1 ? part.data() + u * P : own.data();
+      const int64_t off = (rows[b] * KVH + kvh) * S_max * D;
+      attend_chunk<T>(qf.data(), R, D, kc + off, vc + off, lo.data(), hi.data(), c * span, (c + 1) * span, scale,
+                      p, p + R, p + 2 * R, buf);
+      if (C == 1)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t r = g * n + i, h = kvh * G + g;
+            combine_chunks(p + r, p + R + r, p + 2 * R + r * D, 1, P, D, sinks ? sinks + h : nullptr,
+                           out + ((b * n + i) * H + h) * D);
+          }
+    }
+  });
+  if (C == 1) return;
+  for (int64_t pr = 0; pr < pairs; ++pr) {  // each (row, kv head)'s chunks, on this thread (R x D x C floats)
+    const int64_t b = pr / KVH, kvh = pr % KVH;
+    const float* p = part.data() + pr * C * P;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = g * n + i, h = kvh * G + g;
+        combine_chunks(p + r, p + R + r, p + 2 * R + r * D, C, P, D, sinks ? sinks + h : nullptr,
+                       out + ((b * n + i) * H + h) * D);
+      }
+  }
+}
+#endif
+
 template <typename T>
 void run_attention(const T* q, const T* kc, const T* vc, T* out, const int64_t* rows, const int64_t* pos,
                    const float* sinks, int64_t Bq, int64_t n, int64_t H, int64_t D, int64_t KVH, int64_t S_max,
                    int64_t G, int64_t window, float scale) {
+#ifndef __AVX512F__
+  run_attention_chunks(q, kc, vc, out, rows, pos, sinks, Bq, n, H, D, KVH, S_max, G, window, scale);
+#else
   // one unit: (query row, kv head) with every head of the group, reading the keys and values once. On AMX (bf16, D a
   // multiple of 64: attend_group_amx) as many heads of the group as fit 16 query rows: a tile multiply costs the
   // same for 1 row and 16 (at ~300 keys a bf16 step of the embedded verifier took 11 us per layer on 3 units of 3
@@ -967,6 +1077,7 @@ void run_attention(const T* q, const T* kc, const T* vc, T* out, const int64_t* 
                       outs.data(), buf);
     }
   });
+#endif  // __AVX512F__
 }
 
 // q [B', n, H, D] (after the rotary embedding), caches kc / vc [B, KVH, S_max, D] (this step's keys and values
