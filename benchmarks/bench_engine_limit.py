@@ -11,13 +11,16 @@ processes at once):
   huge-pages  the same with the weights on 2 MiB pages (kernels.on_huge_pages): the default
   torch-compiled  the default without paradraft's kernel ($PARADRAFT_KERNELS=off, compiled, 2 MiB pages): what a
               CPU without AVX-512 ran before the kernel's AVX2 build (not in the default --configs)
+  cpp-wrapper the default with inductor's C++ wrapper instead of its Python one ($PARADRAFT_CPP_WRAPPER=on; not
+              in the default --configs)
 for bf16 and float32: plain decoding tokens/s (batch 1, through Engine.generate, prefill included), the time of
 one plain step and of one K=3 speculative pass (draft + verify K+1, per pass, from the engine's own timers), their
 ratio, and a profile of the top operations of a plain step. The bandwidth is a 1 GiB float32 read (median of 7).
 Float32 outputs of every configuration are compared token for token.
 
   python benchmarks/bench_engine_limit.py [--drafter DIR] [--prompts 8] [--max-new-tokens 128] [--repeats 3]
-        [--configs before kernel compiled huge-pages torch-compiled] [--output benchmarks/results/engine-limit.json]
+        [--configs before kernel compiled huge-pages torch-compiled cpp-wrapper]
+        [--output benchmarks/results/engine-limit.json]
 Without --drafter an untrained P-EAGLE drafter of the default shape stands in: a pass costs what it costs whatever
 the drafter learnt (acceptance changes the tokens per pass, not the time of a pass).
 """
@@ -36,8 +39,8 @@ from pathlib import Path
 
 CONFIGS = {"before": {"PARADRAFT_KERNELS": "off", "PARADRAFT_HUGE_PAGES": "off"},
            "kernel": {"PARADRAFT_HUGE_PAGES": "off"}, "compiled": {"PARADRAFT_HUGE_PAGES": "off"}, "huge-pages": {},
-           "torch-compiled": {"PARADRAFT_KERNELS": "off"}}
-COMPILED = ("compiled", "huge-pages", "torch-compiled")
+           "torch-compiled": {"PARADRAFT_KERNELS": "off"}, "cpp-wrapper": {"PARADRAFT_CPP_WRAPPER": "on"}}
+COMPILED = ("compiled", "huge-pages", "torch-compiled", "cpp-wrapper")
 DEFAULT_CONFIGS = ["before", "kernel", "compiled", "huge-pages"]
 
 

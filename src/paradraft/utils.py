@@ -55,8 +55,14 @@ def bf16_gemm(device: str = "cpu") -> bool:
 # against 2.0-2.4 ms with inductor's default (512 per thread).
 SERIAL_ELEMENTS = 32768
 
+# $PARADRAFT_CPP_WRAPPER=on compiles a CPU step with inductor's C++ wrapper (cpp_wrapper) instead of the Python one,
+# which calls each of a step's ~150 kernels and projections from Python. Not the default: on the 2-core AVX2 host
+# (BENCHMARKS.md, "The engine at the machine's limit", seventh run) it saved ~1 ms of a 14.8 ms bf16 decoding step
+# and nothing in float32, and the first compilation on a host took ~90 s against ~50 s
+CPP_WRAPPER_ENV = "PARADRAFT_CPP_WRAPPER"
 
-def compile_step(method):
+
+def compile_step(method, device="cpu"):
     """THE way paradraft compiles an inference step (the verifier's layer groups and logits, P-EAGLE's drafting
     pass): torch.compile (inductor, dynamic where the caller marks it) of a bound method on a code object of its own,
     whose guards skip the owner's modules. The step's owner (a runner, a drafter) holds one model whose modules do
@@ -64,7 +70,8 @@ def compile_step(method):
     verifier's groups of 10 layers, 5 calls a speculative pass), would only repeat what its own code already
     holds; its inputs (activations, caches, packed weights) keep theirs. A code object of its own keeps a graph
     compiled for one model from being run for another (dynamo's cache belongs to a code object, and without the
-    module guards nothing else would tell two models of the same shapes apart)."""
+    module guards nothing else would tell two models of the same shapes apart). On a CPU `device` with
+    $PARADRAFT_CPP_WRAPPER=on, inductor's C++ wrapper (CPP_WRAPPER_ENV)."""
     import types
 
     import torch
@@ -72,9 +79,11 @@ def compile_step(method):
     f = method.__func__
     own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
     own.__kwdefaults__, own.__qualname__ = f.__kwdefaults__, f.__qualname__
-    return torch.compile(types.MethodType(own, method.__self__), dynamic=None,
-                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                                  "cpp.min_chunk_size": SERIAL_ELEMENTS // 2})
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+               "cpp.min_chunk_size": SERIAL_ELEMENTS // 2}
+    if torch.device(device).type == "cpu" and os.environ.get(CPP_WRAPPER_ENV, "off").lower() == "on":
+        options["cpp_wrapper"] = True
+    return torch.compile(types.MethodType(own, method.__self__), dynamic=None, options=options)
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> str:

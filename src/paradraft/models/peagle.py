@@ -294,7 +294,8 @@ class PEagleDrafter(DraftModel):
         row: its ~100 small operations cost more than its weights' read on a CPU. The first pass of one row and of
         several pays the compilation, added to `compile_s`."""
         if self._compiled_rows is None:
-            self._compiled_rows = compile_step(self._rows_pass)  # this drafter's own code, its modules unguarded
+            # this drafter's own code, its modules unguarded
+            self._compiled_rows = compile_step(self._rows_pass, self.mask_hidden.device)
 
     def _rows_pass(self, tokens, hidden, positions, c, j, rows, origins, kv, k: int) -> torch.Tensor:
         """draft_rows' pass: the new slots tokens [N], hidden [N, 3Hv], positions [N], c [R] of them each row's,

@@ -90,7 +90,8 @@ class VerifierRunner:
         (~25 s on 2 cores, ~4 s where inductor's on-disk cache already holds it), recorded in `compile_s`."""
         # (utils.compile_step: this runner's own code, its model's modules unguarded). One-token steps (decoding)
         # and multi-token steps (verification) each have their own, so that neither checks the other's guards first
-        self._compiled = {one: (compile_step(self._layers), compile_step(self._head)) for one in (True, False)}
+        self._compiled = {one: (compile_step(self._layers, self.device), compile_step(self._head, self.device))
+                          for one in (True, False)}
         self._mark_batch_dynamic()
 
     def _mark_batch_dynamic(self) -> None:
