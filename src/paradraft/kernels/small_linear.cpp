@@ -698,13 +698,6 @@ inline void to_float(const T* src, float* dst, int64_t D) {  // D a multiple of 
   for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
 }
 
-// the attention of R query rows (qf [R, D] float32: the group's heads x the step's queries) over the keys [c0, c1)
-// of one kv head, k, v [S_max, D] (row stride D): query r sees the keys [lo[r], hi[r]] of it. Not normalized, so
-// that the chunks of one kv head's keys can run on different threads (combine_chunks): mx[r] the row's largest
-// scaled score there (-inf where it sees none), sm[r] the sum of exp(scale * s - mx[r]) over the keys it sees, and
-// of [R, D] the sum of those exponentials times the values, in float32. Keys and values are read and converted once
-// for every query of the group; scores 4 keys x 2 rows at a time, then the weighted sum a chunk of CH converted
-// values at a time, 2 rows at once.
 // RB query rows (qf, row stride D) against 4 keys in float32 (kf [4, D]) -> their scores (row stride W): RB x 4
 // accumulators, so that the FMAs' latency is hidden (one row's 4 chains of D / 8 dependent FMAs were its cost)
 template <int RB>
@@ -745,6 +738,13 @@ inline void weighted_values(const float* pr, int64_t W, const float* vf, int64_t
   }
 }
 
+// the attention of R query rows (qf [R, D] float32: the group's heads x the step's queries) over the keys [c0, c1)
+// of one kv head, k, v [S_max, D] (row stride D): query r sees the keys [lo[r], hi[r]] of it. Not normalized, so
+// that the chunks of one kv head's keys can run on different threads (combine_chunks): mx[r] the row's largest
+// scaled score there (-inf where it sees none), sm[r] the sum of exp(scale * s - mx[r]) over the keys it sees, and
+// of [R, D] the sum of those exponentials times the values, in float32. Keys and values are read and converted once
+// for every query of the group; scores 4 keys x 2 rows at a time, then the weighted sum a chunk of CH converted
+// values at a time, 2 rows at once.
 template <typename T>
 void attend_chunk(const float* qf, int64_t R, int64_t D, const T* k, const T* v, const int64_t* lo,
                   const int64_t* hi, int64_t c0, int64_t c1, float scale, float* mx, float* sm, float* of,
