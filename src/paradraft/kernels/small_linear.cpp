@@ -981,6 +981,15 @@ void run_attention_chunks(const T* q, const T* kc, const T* vc, T* out, const in
   const int64_t span = (keys + C - 1) / C;  // keys per chunk
   const int64_t P = R * (D + 2);  // one unit's partial: mx [R], sm [R], of [R, D]
   std::vector<float> part(C > 1 ? pairs * C * P : 0);
+  // a (row, kv head)'s outputs, every head of the group, from its nc chunks' partials p (P floats apart)
+  auto combine = [&](int64_t b, int64_t kvh, const float* p, int64_t nc) {
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = g * n + i, h = kvh * G + g;
+        combine_chunks(p + r, p + R + r, p + 2 * R + r * D, nc, P, D, sinks ? sinks + h : nullptr,
+                       out + ((b * n + i) * H + h) * D);
+      }
+  };
   at::parallel_for(0, pairs * C, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> buf, qf(R * D), own(C > 1 ? 0 : P);
     std::vector<int64_t> lo(R), hi(R);
@@ -997,26 +1006,12 @@ void run_attention_chunks(const T* q, const T* kc, const T* vc, T* out, const in
       const int64_t off = (rows[b] * KVH + kvh) * S_max * D;
       attend_chunk<T>(qf.data(), R, D, kc + off, vc + off, lo.data(), hi.data(), c * span, (c + 1) * span, scale,
                       p, p + R, p + 2 * R, buf);
-      if (C == 1)
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t i = 0; i < n; ++i) {
-            const int64_t r = g * n + i, h = kvh * G + g;
-            combine_chunks(p + r, p + R + r, p + 2 * R + r * D, 1, P, D, sinks ? sinks + h : nullptr,
-                           out + ((b * n + i) * H + h) * D);
-          }
+      if (C == 1) combine(b, kvh, p, 1);  // unsplit: normalised by the thread that computed it
     }
   });
   if (C == 1) return;
-  for (int64_t pr = 0; pr < pairs; ++pr) {  // each (row, kv head)'s chunks, on this thread (R x D x C floats)
-    const int64_t b = pr / KVH, kvh = pr % KVH;
-    const float* p = part.data() + pr * C * P;
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t r = g * n + i, h = kvh * G + g;
-        combine_chunks(p + r, p + R + r, p + 2 * R + r * D, C, P, D, sinks ? sinks + h : nullptr,
-                       out + ((b * n + i) * H + h) * D);
-      }
-  }
+  for (int64_t pr = 0; pr < pairs; ++pr)  // each (row, kv head)'s chunks, on this thread (R x D x C floats)
+    combine(pr / KVH, pr % KVH, part.data() + pr * C * P, C);
 }
 #endif
 
