@@ -134,7 +134,7 @@ assert not kernels.tiles_available()
 g = torch.Generator().manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
     for M in (1, 2, 3, 4, 5, 16, 64):
-        for K in (8, 13, 24, 576, 1545):  # one vector, a tail alone, 16 + 8, the model's, 96 steps + 8 + a tail of 1
+        for K in (8, 13, 24, 576, 1545):  # a vector, a tail, 16 + 8, the model's, 96 x 16 (48 x 32) + 8 + 1
             x = torch.randn(M, K, generator=g).to(dtype)
             ws = [torch.randn(37, K, generator=g).to(dtype), torch.randn(64, K, generator=g).to(dtype)]
             ref = torch.cat([x.double() @ w.double().T for w in ws], dim=-1)

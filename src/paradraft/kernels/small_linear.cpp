@@ -208,6 +208,58 @@ inline void block(const float* xf, int64_t K, const W* const* w, float* out, int
     _Pragma("GCC unroll 4") for (int j = 0; j < N_; j += 2) block_regs<W, M_, 2>(xf, K, w + j, out + j, ldo);
   }
 }
+
+// A step of 1-4 rows (decoding, verification) is bound by reading the weights, not by arithmetic. `block` reads a
+// block's 4 weight rows side by side, 4 streams that each end after one row (1,152 bytes in bf16), and the
+// hardware prefetcher streamed them at ~21 GB/s on the 2-core AMD EPYC (Zen 3) of BENCHMARKS.md ("The
+// projections on AVX2"). `block_stream` reads the block's rows one after the other, each front to back: one
+// stream, prefetched 1 KB ahead: 26-30 GB/s for 1 row in bf16 there. From 8 rows on the arithmetic is the bound
+// and `block`'s register blocking is faster (5-8% measured), so `rows_block` takes this path only up to MB rows.
+constexpr int64_t STREAM_AHEAD = 1024;  // bytes (measured on that host: 512 < 1024 ~ 1536 > 2048, 4096, 8192)
+
+// red[m] = 8 partial sums of xf[m] . w (float32, [M_, K], the K % 8 tail left to the caller), w read front to
+// back, 32 k per step in C chains per x row (FMA latency)
+template <typename W, int M_>
+inline void stream_row(const float* xf, int64_t K, const W* w, __m256* red) {
+  constexpr int C = M_ == 1 ? 4 : 2;
+  __m256 acc[M_][C];
+  _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m)
+    _Pragma("GCC unroll 4") for (int c = 0; c < C; ++c) acc[m][c] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    _Pragma("GCC unroll 2") for (int b = 0; b < 32 * static_cast<int>(sizeof(W)); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + b + STREAM_AHEAD, _MM_HINT_T0);
+    _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {
+      const __m256 wv = load8(w + k + 8 * q);
+      _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m)
+        acc[m][q % C] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + m * K + k + 8 * q), wv, acc[m][q % C]);
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 wv = load8(w + k);
+    _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m)
+      acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + m * K + k), wv, acc[m][0]);
+  }
+  _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m) {
+    red[m] = acc[m][0];
+    _Pragma("GCC unroll 4") for (int c = 1; c < C; ++c) red[m] = _mm256_add_ps(red[m], acc[m][c]);
+  }
+}
+
+// out[m][j] = xf[m] . w[j] for M_ x rows and N_ weight rows, each weight row read once, front to back
+template <typename W, int M_, int N_>
+inline void block_stream(const float* xf, int64_t K, const W* const* w, float* out, int64_t ldo) {
+  __m256 red[N_][M_];  // [weight row][x row]
+  _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) stream_row<W, M_>(xf, K, w[j], red[j]);
+  const int64_t k8 = K - K % 8;
+  _Pragma("GCC unroll 8") for (int m = 0; m < M_; ++m) {
+    __m256 col[N_];
+    _Pragma("GCC unroll 8") for (int j = 0; j < N_; ++j) col[j] = red[j][m];
+    lane_sums<N_>(col, out + m * ldo);
+    for (int j = 0; j < N_; ++j)
+      for (int64_t t = k8; t < K; ++t) out[m * ldo + j] += xf[m * K + t] * static_cast<float>(w[j][t]);
+  }
+}
 #endif  // __AVX512F__
 
 
@@ -450,6 +502,15 @@ bool amx_fits(int64_t M, int64_t K, const std::vector<at::Tensor>& ws) {
 // every x row against N_ weight rows, in blocks of MB x rows
 template <typename W, typename X, int N_>
 inline void rows_block(const X* xs, int64_t M, int64_t K, const W* const* w, float* out, int64_t ldo) {
+#ifndef __AVX512F__
+  switch (M) {  // a decoding or verification step: the weights' rows read one after the other (block_stream)
+    case 4: return block_stream<W, 4, N_>(xs, K, w, out, ldo);
+    case 3: return block_stream<W, 3, N_>(xs, K, w, out, ldo);
+    case 2: return block_stream<W, 2, N_>(xs, K, w, out, ldo);
+    case 1: return block_stream<W, 1, N_>(xs, K, w, out, ldo);
+    default: break;
+  }
+#endif
   int64_t m = 0;
   for (; m + MB <= M; m += MB) block<W, MB, N_>(xs + m * K, K, w, out + m * ldo, ldo);
   switch (M - m) {
