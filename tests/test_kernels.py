@@ -126,6 +126,17 @@ def test_compile_flags_follow_the_cpu():
     assert "-mamx-bf16" not in kernels._compile_flags(base | {"amx_tile"})
 
 
+def test_build_flags_take_the_avx2_build_where_asked(monkeypatch):
+    """$PARADRAFT_KERNELS=avx2 builds the AVX2 variant on a CPU that has AVX-512 and AMX (the engine and
+    benchmarks/bench_kernel_ab.py build with the same flags)."""
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                                                        "avx512_bf16", "amx_tile", "amx_bf16"})
+    monkeypatch.setenv(kernels.KERNELS_ENV, "on")
+    assert "-mamx-bf16" in kernels.build_flags()
+    monkeypatch.setenv(kernels.KERNELS_ENV, "avx2")
+    assert kernels.build_flags() == ["-O3", "-fopenmp", "-mavx2", "-mfma"]
+
+
 _AVX2_CHECK = """
 import torch
 from paradraft import kernels

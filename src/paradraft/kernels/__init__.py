@@ -68,6 +68,15 @@ def _compile_flags(flags: set[str]) -> list[str] | None:
     return out
 
 
+def build_flags() -> list[str] | None:
+    """The compiler flags of the kernel this process builds (`_compile_flags` of this CPU; $PARADRAFT_KERNELS=avx2:
+    the AVX2 build on a CPU that has more, to measure or test it there), or None where it cannot run here."""
+    flags = _cpu_flags()
+    if os.environ.get(KERNELS_ENV, "on").lower() == "avx2":
+        flags = flags & {"avx2", "fma"}
+    return _compile_flags(flags)
+
+
 def _build_dir(cflags: list[str]) -> Path:
     from ..utils import cache_root
 
@@ -82,10 +91,7 @@ def _load() -> None:
     if setting == "off":
         _STATE["why"] = f"${KERNELS_ENV}=off"
         return
-    flags = _cpu_flags()
-    if setting == "avx2":  # the AVX2 build on a CPU that has more (to measure or test it there)
-        flags = flags & {"avx2", "fma"}
-    cflags = _compile_flags(flags)
+    cflags = build_flags()
     _STATE["isa"] = "" if cflags is None else "avx512" if "-mavx512f" in cflags else "avx2"
     if cflags is None:
         _STATE["why"] = "this CPU lacks AVX2 and FMA"

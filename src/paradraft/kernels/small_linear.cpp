@@ -213,8 +213,9 @@ inline void block(const float* xf, int64_t K, const W* const* w, float* out, int
 // block's 4 weight rows side by side, 4 streams that each end after one row (1,152 bytes in bf16), and the
 // hardware prefetcher streamed them at ~21 GB/s on the 2-core AMD EPYC (Zen 3) of BENCHMARKS.md ("The
 // projections on AVX2"). `block_stream` reads the block's rows one after the other, each front to back: one
-// stream, prefetched 1 KB ahead: 26-30 GB/s for 1 row in bf16 there. From 8 rows on the arithmetic is the bound
-// and `block`'s register blocking is faster (5-8% measured), so `rows_block` takes this path only up to MB rows.
+// stream, prefetched 1 KB ahead: 26-31 GB/s for 1 row in bf16 there. From 8 rows on (bf16: 3) the arithmetic is
+// the bound and `block`'s register blocking is faster (5-8% at 8 rows), so `rows_block` takes this path for 1-4
+// float32 rows and 1-2 bf16 rows.
 constexpr int64_t STREAM_AHEAD = 1024;  // bytes (measured on that host: 512 < 1024 ~ 1536 > 2048, 4096, 8192)
 
 // red[m] = 8 partial sums of xf[m] . w (float32, [M_, K], the K % 8 tail left to the caller), w read front to
@@ -503,12 +504,16 @@ bool amx_fits(int64_t M, int64_t K, const std::vector<at::Tensor>& ws) {
 template <typename W, typename X, int N_>
 inline void rows_block(const X* xs, int64_t M, int64_t K, const W* const* w, float* out, int64_t ldo) {
 #ifndef __AVX512F__
-  switch (M) {  // a decoding or verification step: the weights' rows read one after the other (block_stream)
-    case 4: return block_stream<W, 4, N_>(xs, K, w, out, ldo);
-    case 3: return block_stream<W, 3, N_>(xs, K, w, out, ldo);
-    case 2: return block_stream<W, 2, N_>(xs, K, w, out, ldo);
-    case 1: return block_stream<W, 1, N_>(xs, K, w, out, ldo);
-    default: break;
+  // a decoding or verification step: the weights' rows read one after the other (block_stream); bf16 from 3 rows
+  // on in `block`, whose register blocks share each x load between 2 weight rows: 4 bf16 rows are bound by the
+  // arithmetic on AVX2, and `block` took 1-6% less time than block_stream in 5 of 7 interleaved runs
+  if (M <= (std::is_same_v<W, float> ? 4 : 2)) {
+    switch (M) {
+      case 4: return block_stream<W, 4, N_>(xs, K, w, out, ldo);
+      case 3: return block_stream<W, 3, N_>(xs, K, w, out, ldo);
+      case 2: return block_stream<W, 2, N_>(xs, K, w, out, ldo);
+      default: return block_stream<W, 1, N_>(xs, K, w, out, ldo);
+    }
   }
 #endif
   int64_t m = 0;

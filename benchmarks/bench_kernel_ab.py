@@ -1,0 +1,129 @@
+"""Two or more versions of paradraft's CPU kernel side by side in one process: the projections of a decoding step.
+
+Each version is `src/paradraft/kernels/small_linear.cpp` at a git revision (or the working tree: `--rev work`),
+built with this CPU's flags under its own op namespace, so that all of them load into one process and their passes
+interleave: on the project's noisy machines two versions timed in separate processes minutes apart differed by more
+than the change being measured. One pass multiplies `rows` rows by every projection of SmolLM2-135M as the engine
+calls them (per layer q|k|v in one call, o, gate|up in one call, down; then the lm_head), random weights of those
+shapes on 2 MiB pages (what the engine does), read from memory. Reported per (dtype, rows, version): the median
+pass in ms and the weights' GB/s. Every version's outputs are checked against the first one's.
+
+  python benchmarks/bench_kernel_ab.py --rev 7fb6bf9 --rev work [--rows 1 2 4 8] [--dtypes bfloat16 float32]
+        [--passes 30] [--output benchmarks/results/kernel-ab.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from paradraft import kernels
+
+H, FF, V, L = 576, 1536, 49152, 30  # hidden, MLP, vocabulary, layers
+CALLS = [[(H, H), (192, H), (192, H)], [(H, H)], [(FF, H), (FF, H)], [(H, FF)]]  # one layer's calls, as the engine
+SOURCE = "src/paradraft/kernels/small_linear.cpp"
+
+
+def source_at(rev: str) -> str:
+    if rev == "work":
+        return Path(SOURCE).read_text()
+    out = subprocess.run(["git", "show", f"{rev}:{SOURCE}"], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"--rev {rev}: {out.stderr.strip() or 'no such revision'}")
+    return out.stdout
+
+
+def build(rev: str, i: int, cflags: list[str]):
+    """The op small_linear of the kernel at `rev`, registered as torch.ops.pdab<i>.small_linear."""
+    from torch.utils.cpp_extension import load
+
+    from paradraft.utils import cache_root
+
+    ns = f"pdab{i}"
+    src = re.sub(r"TORCH_LIBRARY(_IMPL)?\(paradraft\b", lambda m: f"TORCH_LIBRARY{m.group(1) or ''}({ns}",
+                 source_at(rev))
+    key = hashlib.sha256((src + repr((cflags, torch.__version__))).encode()).hexdigest()[:16]
+    d = cache_root() / "kernels" / f"ab-{key}"
+    d.mkdir(parents=True, exist_ok=True)
+    lib = d / f"{ns}.so"
+    if not lib.is_file():
+        (d / f"{ns}.cpp").write_text(src)
+        os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), str(Path(sys.executable).parent)])
+        print(f"building the kernel at {rev} ...", file=sys.stderr, flush=True)
+        load(name=ns, sources=[str(d / f"{ns}.cpp")], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+             build_directory=str(d), is_python_module=False, verbose=False)
+    torch.ops.load_library(str(lib))
+    return getattr(torch.ops, ns).small_linear
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rev", action="append", required=True, help="a git revision, or `work` (the working tree)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
+    ap.add_argument("--passes", type=int, default=30)
+    ap.add_argument("--output", default="benchmarks/results/kernel-ab.json")
+    a = ap.parse_args()
+    if len(a.rev) < 2:
+        raise SystemExit("--rev: give at least two versions to compare")
+    if any(r < 1 or r > kernels.MAX_ROWS for r in a.rows):
+        raise SystemExit(f"--rows: 1 to {kernels.MAX_ROWS}")
+    cflags = kernels.build_flags()  # what this process's engine would build ($PARADRAFT_KERNELS=avx2 included)
+    if cflags is None:
+        raise SystemExit("this CPU lacks AVX2 and FMA: the kernel does not build here")
+    torch.set_grad_enabled(False)
+    ops = [build(rev, i, cflags) for i, rev in enumerate(a.rev)]
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for dtype in (getattr(torch, d) for d in a.dtypes):
+        shapes = [c for _ in range(L) for c in CALLS] + [[(V, H)]]
+        flat = kernels.on_huge_pages([torch.randn(*s, generator=g).to(dtype) * 0.02 for c in shapes for s in c])
+        calls, i = [], 0
+        for c in shapes:
+            calls.append(flat[i:i + len(c)])
+            i += len(c)
+        nbytes = sum(w.numel() * w.element_size() for w in flat)
+        for m in a.rows:
+            xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in (H, FF)}
+            for op in ops[1:]:  # the same products (float32 sums in another order; bf16 rounded once)
+                for ws in calls[:4] + calls[-1:]:
+                    ref, got = ops[0](xs[ws[0].shape[1]], ws).double(), op(xs[ws[0].shape[1]], ws).double()
+                    assert (got - ref).abs().max() <= 1e-2 * ref.abs().max(), "the versions' products differ"
+            ts = [[] for _ in ops]
+            for p in range(a.passes + 2):  # interleaved; the first 2 rounds warm up
+                for t, op in zip(ts, ops):
+                    t0 = time.perf_counter()
+                    for ws in calls:
+                        op(xs[ws[0].shape[1]], ws)
+                    if p >= 2:
+                        t.append(time.perf_counter() - t0)
+            for rev, t in zip(a.rev, ts):
+                med = statistics.median(t)
+                rows.append({"dtype": str(dtype).split(".")[-1], "rows": m, "rev": rev, "pass_ms": 1000 * med,
+                             "gbs": nbytes / med / 1e9})
+                print(f"{rows[-1]['dtype']:9s} rows {m:2d}  {rev:12s} {1000 * med:7.2f} ms  "
+                      f"{nbytes / med / 1e9:5.1f} GB/s", flush=True)
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    out = Path(a.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps({"benchmark": "kernel_ab", "date": time.strftime("%Y-%m-%d %H:%M"),
+                               "host": {"cpu": cpu, "cores": os.cpu_count(), "isa": kernels.isa()},
+                               "threads": torch.get_num_threads(), "args": vars(a), "rows": rows}, indent=2) + "\n")
+    tmp.replace(out)
+
+
+if __name__ == "__main__":
+    main()
