@@ -11,7 +11,8 @@ verifier pass (wall / passes, batch 1):
                       verify-only baseline and no draft cost is derived from it
   step ratio          drafter pass / plain step; speedup = acceptance length / step ratio
 and writes the JSON and a markdown table. With --regenerate N it also times `paradraft regenerate` through both
-engines on the same N conversations (new tokens per second, --regenerate-batch conversations per batch).
+engines on the same N conversations (new tokens per second, --regenerate-batch conversations per batch);
+--regenerate-only times only that.
 
   python benchmarks/vllm_side_by_side.py --drafter DIR [--drafter DIR] --data DIR [--k 1 3 5 7] [--repeats 2]
         [--dtype bfloat16] [--output benchmarks/results/vllm-side-by-side.json]
@@ -93,18 +94,22 @@ def main() -> None:
     ap.add_argument("--regenerate-batch", type=int, default=16)
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="paradraft's engine")
     ap.add_argument("--no-prompt-lookup", action="store_true")
+    ap.add_argument("--regenerate-only", action="store_true", help="skip the decoding benchmark (needs --regenerate)")
     ap.add_argument("--output", default="benchmarks/results/vllm-side-by-side.json")
     a = ap.parse_args()
+    if a.regenerate_only and not a.regenerate:
+        raise SystemExit("--regenerate-only: give --regenerate N (the conversations to regenerate)")
     out = Path(a.output)
     common = dict(drafter=a.drafter, dataset="sharegpt-val", data=a.data, num_prompts=a.prompts,
                   max_new_tokens=a.max_new_tokens, num_speculative_tokens=a.k, repeats=a.repeats, dtype=a.dtype,
                   prompt_lookup=not a.no_prompt_lookup, compile=a.compile)
-    res = {}
-    for engine in ("paradraft", "vllm"):
-        res[engine] = bench(BenchConfig(**common, engine=engine,
-                                        output=str(out.with_name(f"{out.stem}-{engine}.json"))))
-    cost_rows = {engine: costs(res[engine]) for engine in ("paradraft", "vllm")}  # per verifier pass, wall / passes
-    md = table(res, cost_rows)
+    res, cost_rows, md = {}, {}, ""
+    if not a.regenerate_only:
+        for engine in ("paradraft", "vllm"):
+            res[engine] = bench(BenchConfig(**common, engine=engine,
+                                            output=str(out.with_name(f"{out.stem}-{engine}.json"))))
+        cost_rows = {engine: costs(res[engine]) for engine in ("paradraft", "vllm")}  # per verifier pass
+        md = table(res, cost_rows)
     regen = {}
     if a.regenerate:
         with tempfile.TemporaryDirectory() as d:
@@ -116,7 +121,7 @@ def main() -> None:
                 regen[engine] = {k: r[k] for k in ("written", "new_tokens", "seconds", "new_tokens_per_s",
                                                    "compile_s") if k in r}
         md += (f"\n\nregenerate, {a.regenerate} conversations, batch {a.regenerate_batch}, {a.dtype}: "
-               + ", ".join(f"{e} {v['new_tokens_per_s']} new tokens/s" for e, v in regen.items()))
+               + ", ".join(f"{e} {v['new_tokens_per_s']} new tokens/s" for e, v in regen.items())).lstrip()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())

@@ -63,6 +63,28 @@ def test_runner_equals_full_forward_after_rollback(verifier):
     torch.testing.assert_close(aux[0], ref_aux, atol=1e-4, rtol=1e-4)
 
 
+def test_cache_places_are_zeroed_as_reached_and_a_short_rows_stale_places_stay_harmless(verifier):
+    """The caches come from torch.empty and are zeroed only as far as the keys in use reach: poisoned with NaN (what
+    empty memory may hold), a batch of a short and a long row still equals each row's own full forward, though the
+    short row's attention spans places past its length (masked: they must be finite, not NaN)."""
+    family, model = verifier
+    if family == "granite":
+        pytest.skip("the generic runner keeps Hugging Face's own caches")
+    runner = make_runner(model, [2, 4, 5], max_batch=2, max_len=2 * VerifierRunner.ZERO_CHUNK + 8)
+    for t in runner.k + runner.v:
+        t.fill_(float("nan"))
+    short, long = prompts(1, seed=7)[0][:5], prompts(1, seed=8)[0] + prompts(1, seed=9)[0]
+    runner.forward(torch.tensor([short]), rows=torch.tensor([0]))
+    runner.forward(torch.tensor([long]), rows=torch.tensor([1]))
+    logits, _ = runner.forward(torch.tensor([[7], [8]]))  # both rows: the keys of the long one
+    assert runner._zeroed == VerifierRunner.ZERO_CHUNK  # not all of max_len
+    assert all(torch.isnan(t[:, :, runner._zeroed:]).all() for t in runner.k + runner.v)
+    for row, seq in ((0, short + [7]), (1, long + [8])):
+        with torch.no_grad():
+            ref = model(torch.tensor([seq])).logits[0, -1].float()
+        torch.testing.assert_close(logits[row, -1], ref, atol=1e-4, rtol=1e-4)
+
+
 def test_prefill_logits_of_the_last_position_only(verifier):
     """last_only (the engine's prefill) gives the last row of the full logits, the same aux states and lengths."""
     _, model = verifier
