@@ -209,7 +209,7 @@ inline void block(const float* xf, int64_t K, const W* const* w, float* out, int
   }
 }
 
-// A step of 1-4 rows (decoding, verification) is bound by reading the weights, not by arithmetic. `block` reads a
+// A decoding step (1 row; 1-4 in float32) is bound by reading the weights, not by arithmetic. `block` reads a
 // block's 4 weight rows side by side, 4 streams that each end after one row (1,152 bytes in bf16), and the
 // hardware prefetcher streamed them at ~21 GB/s on the 2-core AMD EPYC (Zen 3) of BENCHMARKS.md ("The
 // projections on AVX2"). `block_stream` reads the block's rows one after the other, each front to back: one

@@ -166,8 +166,9 @@ class VerifierRunner:
 
         Attention reads places [0, S) of each row, S the longest row's position + 1: a shorter row's places past its
         length are masked, but must be finite (a weight of 0 times a NaN value is NaN), so they must not be whatever
-        torch.empty left there. Zeroing all of max_len at alloc instead wrote 6 GB per batch of 32 in float32
-        (4,096 places), ~3 s of every `regenerate` batch on the 2-core AVX2 host, for places never read."""
+        torch.empty left there. Zeroing all of max_len at alloc instead wrote (and kept resident) 6 GB for a batch
+        of 32 in float32 at the default 4,096 places, ~3 s of such a `generate` call on the 2-core AVX2 host, for
+        places never read."""
         if S <= self._zeroed:
             return
         end = min(self.max_len, max(S, self._zeroed + self.ZERO_CHUNK))
