@@ -120,8 +120,8 @@ def main() -> None:
                                                 engine=engine, compile=a.compile))
                 regen[engine] = {k: r[k] for k in ("written", "new_tokens", "seconds", "new_tokens_per_s",
                                                    "compile_s") if k in r}
-        md += (f"\n\nregenerate, {a.regenerate} conversations, batch {a.regenerate_batch}, {a.dtype}: "
-               + ", ".join(f"{e} {v['new_tokens_per_s']} new tokens/s" for e, v in regen.items())).lstrip()
+        md += (("\n\n" if md else "") + f"regenerate, {a.regenerate} conversations, batch {a.regenerate_batch}, "
+               f"{a.dtype}: " + ", ".join(f"{e} {v['new_tokens_per_s']} new tokens/s" for e, v in regen.items()))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
