@@ -61,7 +61,7 @@ def main() -> None:
             out = subprocess.run([sys.executable, __file__, "--child", "--batch", str(a.batch), "--max-new-tokens",
                                   str(a.max_new_tokens), "--dtype", a.dtype], env=env, capture_output=True, text=True)
             if out.returncode:
-                raise SystemExit(f"{s}: {out.stderr.strip().splitlines()[-1]}")
+                raise SystemExit(f"{s}: {(out.stderr.strip().splitlines() or ['failed'])[-1]}")
             runs[s].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(s, runs[s][-1], flush=True)
     rows = [{"src": s, "wall_s": statistics.median(r["wall_s"] for r in v),
@@ -69,13 +69,14 @@ def main() -> None:
             for s, v in runs.items()]
     for r in rows:
         print(f"{r['src']}: {r['wall_s']:.2f} s, {r['tokens_per_s']:.1f} new tokens/s (median of {a.repeats})")
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "")
+    from bench_engine_limit import host  # benchmarks/ (the script's own directory)
+
     out = Path(a.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "batch_generate", "date": time.strftime("%Y-%m-%d %H:%M"),
-                               "host": {"cpu": cpu, "cores": os.cpu_count()}, "args": vars(a), "rows": rows},
-                              indent=2) + "\n")
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps({"benchmark": "batch_generate", "date": time.strftime("%Y-%m-%d %H:%M"),
+                               "host": host(), "args": vars(a), "rows": rows}, indent=2) + "\n")
+    tmp.replace(out)
 
 
 if __name__ == "__main__":

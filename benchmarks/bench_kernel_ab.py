@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import platform
 import re
 import statistics
 import subprocess
@@ -27,10 +25,11 @@ import time
 from pathlib import Path
 
 import torch
+from bench_engine_limit import host  # benchmarks/ (the script's own directory)
+from bench_small_linear import FF, H, L, V  # SmolLM2-135M's hidden, MLP, vocabulary, layers
 
 from paradraft import kernels
 
-H, FF, V, L = 576, 1536, 49152, 30  # hidden, MLP, vocabulary, layers
 CALLS = [[(H, H), (192, H), (192, H)], [(H, H)], [(FF, H), (FF, H)], [(H, FF)]]  # one layer's calls, as the engine
 SOURCE = "src/paradraft/kernels/small_linear.cpp"
 
@@ -46,8 +45,6 @@ def source_at(rev: str) -> str:
 
 def build(rev: str, i: int, cflags: list[str]):
     """The op small_linear of the kernel at `rev`, registered as torch.ops.pdab<i>.small_linear."""
-    from torch.utils.cpp_extension import load
-
     from paradraft.utils import cache_root
 
     ns = f"pdab{i}"
@@ -55,15 +52,14 @@ def build(rev: str, i: int, cflags: list[str]):
                  source_at(rev))
     key = hashlib.sha256((src + repr((cflags, torch.__version__))).encode()).hexdigest()[:16]
     d = cache_root() / "kernels" / f"ab-{key}"
-    d.mkdir(parents=True, exist_ok=True)
     lib = d / f"{ns}.so"
-    if not lib.is_file():
+    if lib.is_file():
+        torch.ops.load_library(str(lib))
+    else:
+        d.mkdir(parents=True, exist_ok=True)
         (d / f"{ns}.cpp").write_text(src)
-        os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), str(Path(sys.executable).parent)])
         print(f"building the kernel at {rev} ...", file=sys.stderr, flush=True)
-        load(name=ns, sources=[str(d / f"{ns}.cpp")], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-             build_directory=str(d), is_python_module=False, verbose=False)
-    torch.ops.load_library(str(lib))
+        kernels.compile_library(ns, d / f"{ns}.cpp", d, cflags)  # built and loaded
     return getattr(torch.ops, ns).small_linear
 
 
@@ -114,13 +110,11 @@ def main() -> None:
                              "gbs": nbytes / med / 1e9})
                 print(f"{rows[-1]['dtype']:9s} rows {m:2d}  {rev:12s} {1000 * med:7.2f} ms  "
                       f"{nbytes / med / 1e9:5.1f} GB/s", flush=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
     out = Path(a.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps({"benchmark": "kernel_ab", "date": time.strftime("%Y-%m-%d %H:%M"),
-                               "host": {"cpu": cpu, "cores": os.cpu_count(), "isa": kernels.isa()},
+                               "host": {**host(), "isa": kernels.isa()},
                                "threads": torch.get_num_threads(), "args": vars(a), "rows": rows}, indent=2) + "\n")
     tmp.replace(out)
 

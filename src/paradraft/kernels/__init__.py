@@ -77,6 +77,19 @@ def build_flags() -> list[str] | None:
     return _compile_flags(flags)
 
 
+def compile_library(name: str, source: Path, build: Path, cflags: list[str]) -> Path:
+    """Compile a kernel source into build/<name>.so (torch's cpp_extension, ninja) and load it into this process
+    (its ops registered in torch.ops) -> the library's path."""
+    from torch.utils.cpp_extension import load
+
+    build.mkdir(parents=True, exist_ok=True)
+    # ninja from this environment's bin (a pip-installed ninja) when the PATH has none
+    os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), str(Path(sys.executable).parent)])
+    load(name=name, sources=[str(source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"], build_directory=str(build),
+         is_python_module=False, verbose=False)
+    return build / f"{name}.so"
+
+
 def _build_dir(cflags: list[str]) -> Path:
     from ..utils import cache_root
 
@@ -103,15 +116,9 @@ def _load() -> None:
         if lib.is_file():
             torch.ops.load_library(str(lib))
         else:
-            from torch.utils.cpp_extension import load
-
-            build.mkdir(parents=True, exist_ok=True)
-            # ninja from this environment's bin (a pip-installed ninja) when the PATH has none
-            os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), str(Path(sys.executable).parent)])
             print(f"[paradraft] building the CPU decoding kernel into {build} (once per host)", file=sys.stderr,
                   flush=True)
-            load(name="paradraft_small_linear", sources=[str(_SOURCE)], extra_cflags=cflags,
-                 extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False, verbose=False)
+            compile_library("paradraft_small_linear", _SOURCE, build, cflags)
             _STATE["build_s"] = time.perf_counter() - t0
             print(f"[paradraft] built the CPU decoding kernel in {_STATE['build_s']:.1f} s", file=sys.stderr,
                   flush=True)
