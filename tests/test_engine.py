@@ -228,6 +228,36 @@ def _small_drafter(v, algorithm):
     return d.eval(), v
 
 
+def test_prefill_groups_respect_the_budget_and_the_length_rule():
+    from paradraft.decode.engine import prefill_groups
+
+    lengths = [10, 300, 100, 98, 80, 75, 60, 300, 4000, 12, 9]
+    groups = prefill_groups(lengths, budget=1024)
+    assert sorted(b for g in groups for b in g) == list(range(len(lengths)))  # every row once
+    assert groups[0] == [8]  # a prompt above the budget alone, first (the longest)
+    for g in groups:
+        longest = lengths[g[0]]
+        assert all(lengths[b] <= longest and 4 * lengths[b] >= 3 * longest for b in g)
+        assert len(g) == 1 or len(g) * longest <= 1024
+    assert [1, 7] in groups and [2, 3, 4, 5] in groups  # the similar lengths together
+    assert prefill_groups(lengths, budget=1) == [[b] for b in sorted(range(11), key=lambda b: -lengths[b])]
+    assert prefill_groups([]) == []
+
+
+def test_a_batched_prefill_draws_the_first_tokens_as_one_at_a_time_does():
+    """T > 0: the batched prefill (groups in length order) draws each row's first token in row order, as feeding the
+    prompts one at a time did: the same seed gives the same tokens whatever the budget."""
+    v = make_tiny_llama(vocab_size=120, seed=1)
+    prompts = prompts_for(120, n=6, seed=3)
+    g = GenerationConfig(max_new_tokens=6, temperature=1.0, seed=5)
+    runs = []
+    for budget in (1, 4096):
+        eng = Engine(v)
+        eng.prefill_tokens = budget
+        runs.append([r.token_ids for r in eng.generate(prompts, g)])
+    assert runs[0] == runs[1]
+
+
 def test_acceptance_rules_by_hand():
     n, nxt = greedy_accept(torch.tensor([[4, 5, 6], [4, 9, 6]]), torch.tensor([[4, 5, 6, 7], [4, 5, 6, 7]]))
     assert n.tolist() == [3, 1] and nxt.tolist() == [7, 5]

@@ -99,6 +99,32 @@ def test_prefill_logits_of_the_last_position_only(verifier):
     assert int(last.lengths[1]) == int(full.lengths[1]) == p.shape[1]
 
 
+def test_a_right_padded_prefill_equals_each_prompt_alone(verifier):
+    """A batched prefill (counts: rows right-padded to the longest) gives each row what it alone gives: the last real
+    position's logits, its aux states, its length; and the next step of every row equals a full forward, so what the
+    padding wrote past a row's length never reaches it."""
+    _, model = verifier
+    ps = [p * 2 for p in prompts(3, seed=7)]  # longer than GPT-OSS's window
+    n = max(map(len, ps))
+    runner = make_runner(model, [2, 4, 5], max_batch=3, max_len=64)
+    toks = torch.tensor([p + [1] * (n - len(p)) for p in ps])  # [3, n], padded with a real token id
+    counts = torch.tensor([len(p) for p in ps])
+    assert len(set(counts.tolist())) > 1
+    logits, aux = runner.forward(toks, rows=torch.tensor([0, 1, 2]), last_only=True, counts=counts)
+    assert logits.shape[:2] == (3, 1) and aux.shape[:2] == (3, n)
+    assert runner.lengths.tolist() == counts.tolist()
+    for j, p in enumerate(ps):
+        alone = make_runner(model, [2, 4, 5], max_batch=1, max_len=64)
+        ref_logits, ref_aux = alone.forward(torch.tensor([p]), last_only=True)
+        torch.testing.assert_close(logits[j], ref_logits[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(aux[j, :len(p)], ref_aux[0], atol=1e-5, rtol=1e-5)
+    nxt, _ = runner.forward(torch.tensor([[7], [8], [9]]))  # every row's next token, at its own length
+    for j, (p, x) in enumerate(zip(ps, (7, 8, 9))):
+        with torch.no_grad():
+            ref = model(torch.tensor([p + [x]])).logits[0, -1].float()
+        torch.testing.assert_close(nxt[j, -1], ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("algorithm", ["peagle", "eagle3"])
 def test_greedy_speculative_equals_hf_generate(verifier, algorithm):
     _, model = verifier

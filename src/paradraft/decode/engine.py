@@ -46,6 +46,24 @@ def compile_wanted(setting: str, device: str, new_tokens: int | None = None) -> 
         return False
     return new_tokens is None or new_tokens >= AUTO_COMPILE_TOKENS
 
+PREFILL_TOKENS = 2048  # tokens (padding included) that one prefill forward of several prompts may take
+
+
+def prefill_groups(lengths: list[int], budget: int = PREFILL_TOKENS) -> list[list[int]]:
+    """THE rule of a batched prefill: the rows (indices into `lengths`) in groups, each fed in one verifier forward
+    right-padded to its first row, the longest. Longest first; a row joins the group before it while the group's
+    padded tokens stay within `budget` and the row is at least 3/4 of the group's longest (the padding is computed
+    and thrown away). A prompt at or above the budget goes alone, as every prompt went before."""
+    groups: list[list[int]] = []
+    for b in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        g = groups[-1] if groups else None
+        if g and (len(g) + 1) * lengths[g[0]] <= budget and 4 * lengths[b] >= 3 * lengths[g[0]]:
+            g.append(b)
+        else:
+            groups.append([b])
+    return groups
+
+
 @dataclass
 class GenerationConfig:
     """How to decode."""
@@ -85,6 +103,7 @@ class Engine:
         self.verifier = verifier
         self.drafter = drafter
         self.max_len_flag = max_len_flag  # the flag that sets max_len in the calling command, if it has one
+        self.prefill_tokens = PREFILL_TOKENS  # prefill_groups' budget (1: every prompt alone)
         aux = list(drafter.cfg.aux_layer_ids) if drafter is not None else []
         self.runner = make_runner(verifier, aux, max_batch=1, max_len=max_len)
         # the verifier's decoding and verification steps through torch.compile (runner.compile); the generic
@@ -130,20 +149,32 @@ class Engine:
                                                                                        g.top_k), st)
 
     def prefill(self, st: _State, prompts: list[list[int]]) -> None:
-        """Each prompt through the verifier (row by row: ragged prompts); its first token; the drafter's context."""
+        """The prompts through the verifier, in groups of similar length (`prefill_groups`: one forward per group,
+        its rows right-padded to its longest); each row's first token, drawn in row order; the drafter's context."""
         g, dev = st.g, self.runner.device
         for b, p in enumerate(prompts):
             if len(p) + g.max_new_tokens + g.num_speculative_tokens + 1 > self.runner.max_len:
                 fix = f"raise {self.max_len_flag}" if self.max_len_flag else "shorten the prompt or --max-new-tokens"
                 raise GenerationError(f"prompt {b} of {len(p)} tokens + {g.max_new_tokens} new tokens exceeds the "
                                       f"KV cache of {self.runner.max_len} tokens; {fix}")
-            logits, aux = self.runner.forward(torch.tensor([p], device=dev), rows=torch.tensor([b], device=dev),
-                                              last_only=True)  # [1, 1, V]: only the last position's logits
-            x = int(self._token(logits[0, -1], st))
+        last = [None] * len(prompts)  # each row's logits at its last prompt position [V]
+        for group in prefill_groups([len(p) for p in prompts], self.prefill_tokens):
+            n = len(prompts[group[0]])  # the longest first
+            group = sorted(group)  # rows ascending, as the runner takes them (VerifierRunner.forward)
+            toks = torch.tensor([prompts[b] + [0] * (n - len(prompts[b])) for b in group], device=dev)  # [G, n]
+            counts = torch.tensor([len(prompts[b]) for b in group], device=dev)  # [G]
+            logits, aux = self.runner.forward(toks, rows=torch.tensor(group, device=dev), last_only=True,
+                                              counts=None if len(group) == 1 else counts)  # [G, 1, V], [G, n, 3H]
+            for j, b in enumerate(group):
+                last[b] = logits[j, -1]
+                if self.drafter is not None:
+                    p = prompts[b]
+                    st.ctx[b] = (None, aux[j, :len(p)], torch.arange(1, len(p) + 1, device=dev))
+        for b, p in enumerate(prompts):  # the first tokens in row order (a sampled run draws as it always did)
+            x = int(self._token(last[b], st))
             st.emit(b, [x], accepted=None)
             if self.drafter is not None:
-                st.ctx[b] = (torch.tensor(p[1:] + [x], device=dev), aux[0],
-                             torch.arange(1, len(p) + 1, device=dev))
+                st.ctx[b] = (torch.tensor(p[1:] + [x], device=dev), *st.ctx[b][1:])
 
     def plain_step(self, st: _State, active: list[int]) -> None:
         """One verifier pass of plain decoding: one new token per active row."""

@@ -10,9 +10,12 @@ the accepted prefix is never recomputed.
 `GenericRunner` serves any other tappable decoder-only model through Hugging Face's own forward, one cache per
 row (rollback = crop), with the aux states from `output_hidden_states`: slower, the same tokens.
 
-Both: forward(tokens [B', n], rows, last_only) -> (logits [B', n or 1, V] float32, aux [B', n, len(aux) * H]);
+Both: forward(tokens [B', n], rows, last_only, counts) -> (logits [B', n or 1, V] float32, aux [B', n, len(aux) * H]);
 set_lengths. `last_only` computes the logits of the last position only (a prefill needs no others: the lm_head over
-every prompt position is ~20% of a SmolLM2 prefill); that row of the full logits, up to float rounding.
+every prompt position is ~20% of a SmolLM2 prefill); that row of the full logits, up to float rounding. `counts`
+[B'] (a batched prefill of ragged prompts): row j's tokens are its first counts[j], the rest right padding; its
+length advances by counts[j], so what the padding wrote lies past it, stale by the cache's rule, and `last_only`
+takes position counts[j] - 1.
 """
 
 from __future__ import annotations
@@ -177,8 +180,11 @@ class VerifierRunner:
         self._zeroed = end
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, rows: torch.Tensor | None = None, last_only: bool = False):
-        """Feed tokens [B', n] to rows (default all) at their current lengths; lengths advance by n.
+    def forward(self, tokens: torch.Tensor, rows: torch.Tensor | None = None, last_only: bool = False,
+                counts: torch.Tensor | None = None):
+        """Feed tokens [B', n] to rows (default all; distinct and ascending: B' = B rows are taken as all rows in
+        order) at their current lengths; lengths advance by n (by counts [B'] where given: right-padded rows, see the
+        module's docstring).
 
         -> (logits [B', n, V] float32, or [B', 1, V] with last_only, aux hidden [B', n, len(aux) * H]).
         """
@@ -188,7 +194,7 @@ class VerifierRunner:
         if self._tiles_pending and not last_only and TILE_ROWS[0] <= max(Bq, B) * n <= TILE_ROWS[1]:
             self.tiles, self.head_tiles = self._pack_tiles()
             self._tiles_pending = False
-        if (self._compiled is not None and n <= 16 and not last_only and rows is not None and Bq < B
+        if (self._compiled is not None and n <= 16 and not last_only and counts is None and rows is not None and Bq < B
                 and int(self.lengths.max()) + n <= self.max_len):  # (every row has room for n more)
             # a compiled step serves every row of the cache: the other rows are fed a token at their own length (an
             # entry past a row's length is stale by the cache's rule) and keep their lengths, their outputs dropped.
@@ -229,18 +235,22 @@ class VerifierRunner:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(causal, 3)
             torch._dynamo.maybe_mark_dynamic(key_pos, 2)
-        logits, aux = self._body(h, cos, sin, pos, rows, ridx, key_pos, causal, self.k, self.v, last_only, all_rows,
+        last = None
+        if last_only:  # [B']: each row's last real position
+            last = torch.full((Bq,), n - 1, device=self.device) if counts is None else counts.to(self.device) - 1
+        logits, aux = self._body(h, cos, sin, pos, rows, ridx, key_pos, causal, self.k, self.v, last, all_rows,
                                  *(compiled or ()))
         if compiled and kind not in self._seen:
             self._seen.add(kind)
             self.compile_s += time.perf_counter() - t0
-        self.lengths[rows] = start + n
+        self.lengths[rows] = start + (n if counts is None else counts.to(self.device))
         return logits, aux
 
-    def _body(self, h, cos, sin, pos, rows, ridx, key_pos, causal, ks, vs, last_only: bool, all_rows: bool,
-              layer=None, head=None):
+    def _body(self, h, cos, sin, pos, rows, ridx, key_pos, causal, ks, vs, last: torch.Tensor | None,
+              all_rows: bool, layer=None, head=None):
         """The layers and the logits. h [B', n, H], cos/sin [B', n, 1, D], pos/ridx [B', n], rows [B'],
-        key_pos [1, 1, S], causal [B', 1, n, S], the caches ks/vs [B, KVH, S_max, D] written in place
+        key_pos [1, 1, S], causal [B', 1, n, S], the caches ks/vs [B, KVH, S_max, D] written in place, last [B']
+        (each row's position whose logits alone are wanted) or None (every position's)
         -> (logits [B', n or 1, V] float32, aux [B', n, len(aux) * H]). `layer`/`head`: compiled `_layers`/`_head`."""
         layer, head = layer or self._layers, head or self._head
         auxes = []
@@ -250,7 +260,9 @@ class VerifierRunner:
                        vs[i0:i0 + g], all_rows, self.tiles[i0:i0 + g])
             auxes += [(i0 + j, x) for j, x in enumerate(hs[:-1]) if i0 + j in self.aux]
             h = hs[-1]
-        logits = head(h[:, -1:] if last_only else h, self.head_tiles)
+        if last is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), last][:, None]  # [B', 1, H]
+        logits = head(h, self.head_tiles)
         aux = torch.cat([dict(auxes)[i] for i in self.aux], dim=-1) if self.aux else h.new_zeros(*h.shape[:2], 0)
         return logits, aux
 
@@ -357,23 +369,25 @@ class GenericRunner:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, rows: torch.Tensor | None = None, last_only: bool = False):
+    def forward(self, tokens: torch.Tensor, rows: torch.Tensor | None = None, last_only: bool = False,
+                counts: torch.Tensor | None = None):
         Bq, n = tokens.shape
         rows = torch.arange(Bq, device=self.device) if rows is None else rows
         if int(self.lengths[rows].max()) + n > self.max_len:
             raise RuntimeError(f"sequence longer than the engine's max_len {self.max_len}")
+        counts = [n] * Bq if counts is None else counts.tolist()
         logits, auxes = [], []
-        for j, r in enumerate(rows.tolist()):
-            start = int(self.lengths[r])
-            pos = torch.arange(start, start + n, device=self.device)[None]
-            out = self.model(input_ids=tokens[j:j + 1], past_key_values=self.caches[r], position_ids=pos,
+        for j, r in enumerate(rows.tolist()):  # row by row: the padding is never fed
+            start, c = int(self.lengths[r]), counts[j]
+            pos = torch.arange(start, start + c, device=self.device)[None]
+            out = self.model(input_ids=tokens[j:j + 1, :c], past_key_values=self.caches[r], position_ids=pos,
                              use_cache=True, output_hidden_states=bool(self.aux),
                              **({"logits_to_keep": 1} if last_only else {}))
-            logits.append(out.logits.float())
+            logits.append(F.pad(out.logits.float(), (0, 0, 0, (1 if last_only else n) - out.logits.shape[1])))
             if self.aux:
-                auxes.append(torch.cat([out.hidden_states[i] for i in self.aux], -1))
-            self.lengths[r] = start + n
-        logits = torch.cat(logits)  # [B', n, V]
+                auxes.append(F.pad(torch.cat([out.hidden_states[i] for i in self.aux], -1), (0, 0, 0, n - c)))
+            self.lengths[r] = start + c
+        logits = torch.cat(logits)  # [B', n or 1, V]
         aux = torch.cat(auxes) if self.aux else logits.new_zeros(Bq, n, 0)
         return logits, aux
 
