@@ -50,8 +50,8 @@ def main() -> None:
     a = ap.parse_args()
 
     import torch
-
     from bench_engine_limit import host  # benchmarks/ (the script's own directory)
+
     from paradraft.decode.engine import Engine, GenerationConfig, _State, prefill_groups
     from paradraft.verifier import load_verifier
 
