@@ -293,6 +293,23 @@ def test_regenerate_endpoint_resumes(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
+def test_regenerate_compiles_its_batch_before_the_answers():
+    """--compile on with a batch past the kernel's rows (17+): the generator compiles the step its batches take when
+    it starts, so the first batch's answers compile nothing (warmed with 2 rows, a batch of 18 compiled its own graph
+    inside the timed generation: ~5 s of a batch of 32 on the embedded verifier)."""
+    from paradraft.utils import graphs_compiled
+
+    tok = make_tokenizer("chatml")
+    model = make_tiny_llama(vocab_size=len(tok))
+    cfg = RegenerateConfig(data=["unused"], output="unused.jsonl", max_new_tokens=4, batch_size=18, compile="on")
+    gen = LocalGenerator(cfg, model=model, tokenizer=tok)
+    assert gen.engine.compile_s > 0
+    before = graphs_compiled()
+    answers = gen([[{"role": "user", "content": f"Question {i}?" + " more" * i}] for i in range(18)])
+    assert len(answers) == 18 and graphs_compiled() == before
+
+
 def test_regenerate_compiled_writes_the_eager_answers(tmp_path):
     """--compile on: the engine's steps compile when the generator starts (as vLLM's engine does), before the
     answers are timed; compile_s records it; the answers are the eager engine's (float32), a batch of 2 and the

@@ -182,10 +182,12 @@ class LocalGenerator:
                                      seed=cfg.seed, eos_token_ids=stop_token_ids(tokenizer))
         self.calls = 0
         if self.engine.compiled:  # its steps compile now, as vLLM's engine compiles when it starts: what the answers'
-            # seconds and tokens/s measure is generation (compile_s says what compiling took)
-            # (the step of a batch of any size >= 2; a call of one row compiles another when one comes)
+            # seconds and tokens/s measure is generation (compile_s says what compiling took). With --batch-size
+            # rows: the step of a batch past the kernel's rows (linear.py) is another graph than one of 2 rows
+            # (warmed with 2 rows, the first batch of 32 compiled its own, ~5 s inside the timed generation); a
+            # smaller last batch or a call of one row compiles its own when it comes (counted in compile_s too)
             with torch.inference_mode():
-                self.engine.generate([[1] * 4] * min(2, cfg.batch_size), GenerationConfig(max_new_tokens=2))
+                self.engine.generate([[1] * 4] * cfg.batch_size, GenerationConfig(max_new_tokens=2))
 
     @torch.inference_mode()
     def __call__(self, conversations: list[list[dict]]) -> list[tuple[str, bool]]:

@@ -86,6 +86,15 @@ def compile_step(method, device="cpu"):
     return torch.compile(types.MethodType(own, method.__self__), dynamic=None, options=options)
 
 
+def graphs_compiled() -> int:
+    """How many graphs dynamo has compiled in this process so far: a compiled step that raised it paid a compilation
+    (the first of its kind, or a recompilation a new shape or path needed: a batch past the kernel's rows takes
+    another path than a batch of 2), which the step's owner adds to its `compile_s`."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def resolve_dtype(name: str, device: str = "cpu") -> str:
     """A dtype flag's value with `auto` resolved for `device` (fast_dtype)."""
     return fast_dtype(device) if name == "auto" else name

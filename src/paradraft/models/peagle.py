@@ -15,7 +15,7 @@ from torch import nn
 from .. import kernels
 from ..config import ConfigError
 from ..data.vocab import template_special_ids
-from ..utils import compile_step
+from ..utils import compile_step, graphs_compiled
 from .attention import Elements
 from .common import DraftCache, DraftConfig, DraftModel, RowCache
 from .loss import SlotBatch, depth_reduce, draft_loss, element_targets
@@ -179,7 +179,6 @@ class PEagleDrafter(DraftModel):
         self.mask_embedding = nn.Parameter(torch.zeros(H))  # written to embed_tokens.weight[mask_token_id]
         self.mask_hidden = nn.Parameter(torch.randn(1, 3 * cfg.verifier_hidden) * 0.02)
         self._compiled_rows = None  # compile_rows()
-        self._compiled_kinds: set[bool] = set()
         self._index_cache: dict = {}  # draft_rows' (counts, arange) tensors per (counts, elements, device)
         self.compile_s = 0.0  # seconds draft_rows' compiled passes spent compiling
 
@@ -281,11 +280,10 @@ class PEagleDrafter(DraftModel):
             for t in (kc, vc):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
                 torch._dynamo.maybe_mark_dynamic(t, 2)
-        kind = R > 1
+        graphs = graphs_compiled()
         t0 = time.perf_counter()
         out = self._compiled_rows(*args)
-        if kind not in self._compiled_kinds:
-            self._compiled_kinds.add(kind)
+        if graphs_compiled() > graphs:  # this pass compiled (or recompiled) a graph
             self.compile_s += time.perf_counter() - t0
         return out
 

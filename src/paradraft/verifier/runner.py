@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from ..utils import compile_step
+from ..utils import compile_step, graphs_compiled
 from .adapters import adapter_for
 from .linear import GATED_MLPS, TILE_ROWS, linear, linears, mlp
 
@@ -79,8 +79,7 @@ class VerifierRunner:
         self._compiled = None  # (layers, head) compiled by compile()
         # layers per compiled group: ~10 (equal groups); one group's code serves every group
         self.group = -(-self.L // -(-self.L // 10))
-        self.compile_s = 0.0  # seconds the steps that compiled took
-        self._seen: set[tuple] = set()
+        self.compile_s = 0.0  # seconds the steps that compiled took (utils.graphs_compiled)
         self.alloc(max_batch)
 
     def compile(self) -> None:
@@ -89,8 +88,9 @@ class VerifierRunner:
         weights are its inputs), and the logits. Per-operation overhead was ~40% of a bf16 decoding step of the
         embedded verifier on 2 cores; one graph of all 30 layers ran ~0.5 ms faster per step but took ~2x as long
         to compile (BENCHMARKS.md, "The engine at the machine's limit"). Rows and keys in use are dynamic, so a run
-        compiles once per kind of step (decoding, verifying K+1, one row or several); the first such step pays it
-        (~25 s on 2 cores, ~4 s where inductor's on-disk cache already holds it), recorded in `compile_s`."""
+        compiles once per kind of step (decoding, verifying K+1, one row or several, a batch within the kernel's
+        rows or past them); the first such step pays it (~25 s on 2 cores, ~4 s where inductor's on-disk cache
+        already holds it), added to `compile_s` (every step that compiled a graph: utils.graphs_compiled)."""
         # (utils.compile_step: this runner's own code, its model's modules unguarded). One-token steps (decoding)
         # and multi-token steps (verification) each have their own, so that neither checks the other's guards first
         self._compiled = {one: (compile_step(self._layers, self.device), compile_step(self._head, self.device))
@@ -228,7 +228,7 @@ class VerifierRunner:
         compiled = self._compiled[n == 1] if self._compiled and n <= 16 and not last_only else None  # (a prefill
         # stays eager)
         all_rows = Bq == B
-        kind = (n, Bq > 1, all_rows)  # what makes another compilation
+        graphs = graphs_compiled() if compiled else 0
         t0 = time.perf_counter()
         if compiled:
             for t in (h, cos, sin, pos, rows, ridx, causal):  # rows and keys in use vary; tokens per row do not
@@ -240,8 +240,7 @@ class VerifierRunner:
             last = torch.full((Bq,), n - 1, device=self.device) if counts is None else counts.to(self.device) - 1
         logits, aux = self._body(h, cos, sin, pos, rows, ridx, key_pos, causal, self.k, self.v, last, all_rows,
                                  *(compiled or ()))
-        if compiled and kind not in self._seen:
-            self._seen.add(kind)
+        if compiled and graphs_compiled() > graphs:  # this step compiled (or recompiled) a graph
             self.compile_s += time.perf_counter() - t0
         self.lengths[rows] = start + (n if counts is None else counts.to(self.device))
         return logits, aux
