@@ -292,7 +292,6 @@ def test_regenerate_endpoint_resumes(tmp_path):
     assert m["num_samples"] == 6
 
 
-@pytest.mark.e2e
 @pytest.mark.slow
 def test_regenerate_compiles_its_batch_before_the_answers():
     """--compile on with a batch past the kernel's rows (17+): the generator compiles the step its batches take when
@@ -310,6 +309,7 @@ def test_regenerate_compiles_its_batch_before_the_answers():
     assert len(answers) == 18 and graphs_compiled() == before
 
 
+@pytest.mark.e2e
 def test_regenerate_compiled_writes_the_eager_answers(tmp_path):
     """--compile on: the engine's steps compile when the generator starts (as vLLM's engine does), before the
     answers are timed; compile_s records it; the answers are the eager engine's (float32), a batch of 2 and the

@@ -259,9 +259,8 @@ class VerifierRunner:
                        vs[i0:i0 + g], all_rows, self.tiles[i0:i0 + g])
             auxes += [(i0 + j, x) for j, x in enumerate(hs[:-1]) if i0 + j in self.aux]
             h = hs[-1]
-        if last is not None:
-            h = h[torch.arange(h.shape[0], device=h.device), last][:, None]  # [B', 1, H]
-        logits = head(h, self.head_tiles)
+        wanted = h if last is None else h[torch.arange(h.shape[0], device=h.device), last][:, None]  # [B', 1, H]
+        logits = head(wanted, self.head_tiles)
         aux = torch.cat([dict(auxes)[i] for i in self.aux], dim=-1) if self.aux else h.new_zeros(*h.shape[:2], 0)
         return logits, aux
 
