@@ -245,17 +245,28 @@ def test_prefill_groups_respect_the_budget_and_the_length_rule():
 
 
 def test_a_batched_prefill_draws_the_first_tokens_as_one_at_a_time_does():
-    """T > 0: the batched prefill (groups in length order) draws each row's first token in row order, as feeding the
-    prompts one at a time did: the same seed gives the same tokens whatever the budget."""
+    """T > 0: the batched prefill (groups in length order) draws each row's first token in row order from the seeded
+    generator, as feeding the prompts one at a time did: the same seed gives the same first tokens."""
+    from paradraft.decode.engine import prefill_groups
+    from paradraft.decode.sampling import sample
+
     v = make_tiny_llama(vocab_size=120, seed=1)
-    prompts = prompts_for(120, n=6, seed=3)
-    g = GenerationConfig(max_new_tokens=6, temperature=1.0, seed=5)
-    runs = []
-    for budget in (1, 4096):
-        eng = Engine(v)
-        eng.prefill_tokens = budget
-        runs.append([r.token_ids for r in eng.generate(prompts, g)])
-    assert runs[0] == runs[1]
+    prompts = prompts_for(120, n=8, seed=3)
+    groups = prefill_groups([len(p) for p in prompts])
+    assert len(groups) < len(prompts)  # some prompts share a forward...
+    order = [b for grp in groups for b in grp]
+    assert order != list(range(len(prompts)))  # ...and the groups' order is not the rows'
+    with torch.no_grad():
+        probs = [process_logits(v(torch.tensor([p])).logits[0, -1].float(), 3.0) for p in prompts]
+
+    def draws(rows):  # each row's draw when the rows draw in this order from one seeded generator
+        gen = torch.Generator().manual_seed(5)
+        return dict((b, int(sample(probs[b], gen))) for b in rows)
+
+    want = [draws(range(len(prompts)))[b] for b in range(len(prompts))]
+    assert want != [draws(order)[b] for b in range(len(prompts))]  # the order matters: the test can fail
+    got = Engine(v).generate(prompts, GenerationConfig(max_new_tokens=1, temperature=3.0, seed=5))
+    assert [r.token_ids[0] for r in got] == want
 
 
 def test_acceptance_rules_by_hand():
