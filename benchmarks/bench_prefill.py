@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 from pathlib import Path
@@ -22,21 +21,13 @@ from pathlib import Path
 
 def regenerate_prompts(tok, n: int, max_prompt_tokens: int, seed: int = 0) -> list[list[int]]:
     """The first `n` prompts `regenerate --data sharegpt --seed SEED` feeds the verifier (its shuffle and filter)."""
-    from paradraft.data.sources import Skip, read_source
-    from paradraft.data.template import encode_prompt
+    from paradraft.config import RegenerateConfig
+    from paradraft.regenerate import first_turn, fitting_conversations, prompt_ids, read_conversations
 
-    convs = [c for c in read_source("sharegpt") if not isinstance(c, Skip)]
-    random.Random(seed).shuffle(convs)
-    out = []
-    for c in convs:
-        head = [m for m in c["messages"] if m["role"] == "system"][:1] + \
-            [m for m in c["messages"] if m["role"] == "user"][:1]
-        ids = encode_prompt(tok, {"messages": head})
-        if len(ids) <= max_prompt_tokens:
-            out.append(ids)
-        if len(out) == n:
-            break
-    return out
+    cfg = RegenerateConfig(data=["sharegpt"], max_samples=n, max_prompt_tokens=max_prompt_tokens, seed=seed)
+    convs, skipped = read_conversations(cfg)
+    kept = fitting_conversations(cfg, convs, tok, skipped)
+    return prompt_ids(tok, [first_turn(c["messages"]) for c in kept], max_prompt_tokens)
 
 
 def main() -> None:

@@ -304,10 +304,14 @@ def _merge_parts(cfg: RegenerateConfig, out: Path, result: dict) -> dict:
     return {**result, "written": len(order)}
 
 
-def _regenerate(cfg: RegenerateConfig, out: Path, generator, share: tuple | None = None) -> dict:
-    finished = done_ids(out, writer_name(cfg))
-    for p in _parts(out) if share else []:  # answers a killed torchrun run left in rank files
-        finished |= done_ids(p, writer_name(cfg))
+def first_turn(messages: list[dict]) -> list[dict]:
+    """A conversation's first user turn, with its system turn if it has one: the prompt of its first answer."""
+    return [m for m in messages if m["role"] == "system"][:1] + [m for m in messages if m["role"] == "user"][:1]
+
+
+def read_conversations(cfg: RegenerateConfig) -> tuple[list[dict], dict[str, int]]:
+    """--data's usable conversations in regenerate's order (shuffled by --seed) and the skipped ones' counts by
+    reason; none usable is a RegenerateError."""
     skipped: dict[str, int] = {}
     convs = []
     for spec in cfg.data:
@@ -320,6 +324,30 @@ def _regenerate(cfg: RegenerateConfig, out: Path, generator, share: tuple | None
         raise RegenerateError(f"--data {' '.join(cfg.data)}: no usable conversation"
                               + (f"; skipped: {dict(sorted(skipped.items()))}" if skipped else ""))
     random.Random(cfg.seed).shuffle(convs)
+    return convs, skipped
+
+
+def fitting_conversations(cfg: RegenerateConfig, convs: list[dict], tok, skipped: dict[str, int]) -> list[dict]:
+    """The first --max-samples of `convs` whose first turn fits --max-prompt-tokens (tok None: every one); the
+    longer ones counted in `skipped`."""
+    kept = []
+    template_kw = thinking_kwargs(tok, cfg.reasoning) if tok is not None else {}
+    for c in convs:
+        if cfg.max_samples is not None and len(kept) >= cfg.max_samples:
+            break
+        n = len(encode_prompt(tok, {"messages": first_turn(c["messages"])}, **template_kw)) if tok is not None else 0
+        if n > cfg.max_prompt_tokens:
+            skipped["prompt_too_long"] = skipped.get("prompt_too_long", 0) + 1
+            continue
+        kept.append(c)
+    return kept
+
+
+def _regenerate(cfg: RegenerateConfig, out: Path, generator, share: tuple | None = None) -> dict:
+    finished = done_ids(out, writer_name(cfg))
+    for p in _parts(out) if share else []:  # answers a killed torchrun run left in rank files
+        finished |= done_ids(p, writer_name(cfg))
+    convs, skipped = read_conversations(cfg)
     # the first user turn (with any system turn) must fit --max-prompt-tokens: longer prompts are skipped, counted
     tok = getattr(generator, "tok", None)
     if tok is None:
@@ -327,19 +355,7 @@ def _regenerate(cfg: RegenerateConfig, out: Path, generator, share: tuple | None
             tok = load_tokenizer(cfg.verifier)
         except Exception as e:  # e.g. --endpoint serving a model whose tokenizer is not on this machine
             print(f"[regenerate] no tokenizer for {cfg.verifier!r} ({e}); prompts are not length-filtered")
-    kept = []
-    template_kw = thinking_kwargs(tok, cfg.reasoning) if tok is not None else {}
-    for c in convs:
-        if cfg.max_samples is not None and len(kept) >= cfg.max_samples:
-            break
-        head = [m for m in c["messages"] if m["role"] == "system"][:1] + \
-            [m for m in c["messages"] if m["role"] == "user"][:1]
-        n = len(encode_prompt(tok, {"messages": head}, **template_kw)) if tok is not None else 0
-        if n > cfg.max_prompt_tokens:
-            skipped["prompt_too_long"] = skipped.get("prompt_too_long", 0) + 1
-            continue
-        kept.append(c)
-    convs = kept
+    convs = fitting_conversations(cfg, convs, tok, skipped)
     todo = [c for c in convs if c["id"] not in finished]
     order = [c["id"] for c in todo]
     if share:  # this rank's share under torchrun, written to its own rank file
