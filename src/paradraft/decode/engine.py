@@ -158,6 +158,7 @@ class Engine:
                 raise GenerationError(f"prompt {b} of {len(p)} tokens + {g.max_new_tokens} new tokens exceeds the "
                                       f"KV cache of {self.runner.max_len} tokens; {fix}")
         last = [None] * len(prompts)  # each row's logits at its last prompt position [V]
+        hidden = [None] * len(prompts)  # each row's aux states over its prompt [len(p), 3H] (with a drafter)
         for group in prefill_groups([len(p) for p in prompts], self.prefill_tokens):
             n = len(prompts[group[0]])  # the longest first
             group = sorted(group)  # rows ascending, as the runner takes them (VerifierRunner.forward)
@@ -166,15 +167,13 @@ class Engine:
             logits, aux = self.runner.forward(toks, rows=torch.tensor(group, device=dev), last_only=True,
                                               counts=None if len(group) == 1 else counts)  # [G, 1, V], [G, n, 3H]
             for j, b in enumerate(group):
-                last[b] = logits[j, -1]
-                if self.drafter is not None:
-                    p = prompts[b]
-                    st.ctx[b] = (None, aux[j, :len(p)], torch.arange(1, len(p) + 1, device=dev))
+                last[b], hidden[b] = logits[j, -1], aux[j, :len(prompts[b])]
         for b, p in enumerate(prompts):  # the first tokens in row order (a sampled run draws as it always did)
             x = int(self._token(last[b], st))
             st.emit(b, [x], accepted=None)
             if self.drafter is not None:
-                st.ctx[b] = (torch.tensor(p[1:] + [x], device=dev), *st.ctx[b][1:])
+                st.ctx[b] = (torch.tensor(p[1:] + [x], device=dev), hidden[b],
+                             torch.arange(1, len(p) + 1, device=dev))
 
     def plain_step(self, st: _State, active: list[int]) -> None:
         """One verifier pass of plain decoding: one new token per active row."""
