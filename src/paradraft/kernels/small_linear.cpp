@@ -764,6 +764,12 @@ inline void to_float(const T* src, float* dst, int64_t D) {  // D a multiple of 
   for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
 }
 
+inline float hmax8(__m256 a) {  // the largest of 8 lanes
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 // RB query rows (qf, row stride D) against 4 keys in float32 (kf [4, D]) -> their scores (row stride W): RB x 4
 // accumulators, so that the FMAs' latency is hidden (one row's 4 chains of D / 8 dependent FMAs were its cost)
 template <int RB>
@@ -783,10 +789,29 @@ inline void scores_4keys(const float* qf, const float* kf, int64_t D, float* s, 
 }
 
 // of [RB, D] (row stride D) += the weights pr [RB] (row stride W) of cn values vf [cn, D], 32 lanes of the output
-// at a time: RB x 4 accumulators, each value vector read once for the RB rows
+// at a time: RB x 4 accumulators, each value vector read once for the RB rows. Full blocks of 32 lanes have their
+// 4 accumulators per row fixed at compile time, so that they stay in registers (with the count of a block's vectors
+// known only at run time they went to the stack and back for every value); a last block of 8-24 lanes takes the
+// general loop.
 template <int RB>
 inline void weighted_values(const float* pr, int64_t W, const float* vf, int64_t cn, int64_t D, float* of) {
-  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) {
+    __m256 acc[RB][4];
+    _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r)
+      _Pragma("GCC unroll 4") for (int cc = 0; cc < 4; ++cc) acc[r][cc] = _mm256_loadu_ps(of + r * D + d0 + cc * 8);
+    for (int64_t t = 0; t < cn; ++t) {
+      __m256 pv[RB];
+      _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r) pv[r] = _mm256_set1_ps(pr[r * W + t]);
+      _Pragma("GCC unroll 4") for (int cc = 0; cc < 4; ++cc) {
+        const __m256 vv = _mm256_loadu_ps(vf + t * D + d0 + cc * 8);
+        _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r) acc[r][cc] = _mm256_fmadd_ps(pv[r], vv, acc[r][cc]);
+      }
+    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r)
+      _Pragma("GCC unroll 4") for (int cc = 0; cc < 4; ++cc) _mm256_storeu_ps(of + r * D + d0 + cc * 8, acc[r][cc]);
+  }
+  for (; d0 < D; d0 += 32) {
     const int64_t dn = std::min<int64_t>(32, D - d0) / 8;
     __m256 acc[RB][4];
     for (int r = 0; r < RB; ++r)
@@ -834,17 +859,27 @@ void attend_chunk(const float* qf, int64_t R, int64_t D, const T* k, const T* v,
       _mm_prefetch(reinterpret_cast<const char*>(k + (j + 16) * D) + x, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(v + j * D) + x, _MM_HINT_T1);
     }
-    for (int jj = 0; jj < 4; ++jj) to_float(k + (j + jj) * D, kf + jj * D, D);
+    const float* kb = kf;  // the 4 keys in float32: float32 keys read where they are, bf16 converted
+    if constexpr (std::is_same_v<T, float>) {
+      kb = k + j * D;
+    } else {
+      for (int jj = 0; jj < 4; ++jj) to_float(k + (j + jj) * D, kf + jj * D, D);
+    }
     int64_t r = 0;
-    for (; r + 2 <= R; r += 2) scores_4keys<2>(qf + r * D, kf, D, s + r * W + (j - j0), W);
-    if (r < R) scores_4keys<1>(qf + r * D, kf, D, s + r * W + (j - j0), W);
+    for (; r + 2 <= R; r += 2) scores_4keys<2>(qf + r * D, kb, D, s + r * W + (j - j0), W);
+    if (r < R) scores_4keys<1>(qf + r * D, kb, D, s + r * W + (j - j0), W);
   }
   for (; j < S; ++j) {
-    to_float(k + j * D, kf, D);
+    const float* kb = kf;
+    if constexpr (std::is_same_v<T, float>) {
+      kb = k + j * D;
+    } else {
+      to_float(k + j * D, kf, D);
+    }
     for (int64_t r = 0; r < R; ++r) {
       __m256 acc = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * D + d), _mm256_loadu_ps(kf + d), acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * D + d), _mm256_loadu_ps(kb + d), acc);
       s[r * W + (j - j0)] = hsum8(acc);
     }
   }
@@ -853,8 +888,11 @@ void attend_chunk(const float* qf, int64_t R, int64_t D, const T* k, const T* v,
     float* sr = s + r * W;
     const int64_t a = std::min(std::max(lo[r], j0), S) - j0;  // [a, b) visible, within [0, W]
     const int64_t b = std::max(std::min(hi[r] + 1, S), j0) - j0;
-    float m = -INFINITY;
-    for (int64_t t = a; t < b; ++t) m = std::max(m, sr[t] * scale);
+    __m256 m8 = _mm256_set1_ps(-INFINITY);  // the largest scaled score, 8 lanes at a time (a max is exact)
+    int64_t t0 = a;
+    for (; t0 + 8 <= b; t0 += 8) m8 = _mm256_max_ps(m8, _mm256_mul_ps(_mm256_loadu_ps(sr + t0), sc));
+    float m = hmax8(m8);
+    for (; t0 < b; ++t0) m = std::max(m, sr[t0] * scale);
     for (int64_t t = 0; t < a; ++t) sr[t] = 0.0f;
     for (int64_t t = std::max(a, b); t < W; ++t) sr[t] = 0.0f;
     if (b <= a) continue;
@@ -878,10 +916,15 @@ void attend_chunk(const float* qf, int64_t R, int64_t D, const T* k, const T* v,
   }
   for (int64_t c = 0; c < W; c += CH) {
     const int64_t cn = std::min(CH, W - c);
-    for (int64_t t = 0; t < cn; ++t) to_float(v + (j0 + c + t) * D, vf + t * D, D);
+    const float* vb = vf;  // the chunk's values in float32: float32 values read where they are, bf16 converted
+    if constexpr (std::is_same_v<T, float>) {
+      vb = v + (j0 + c) * D;
+    } else {
+      for (int64_t t = 0; t < cn; ++t) to_float(v + (j0 + c + t) * D, vf + t * D, D);
+    }
     int64_t r = 0;
-    for (; r + 2 <= R; r += 2) weighted_values<2>(s + r * W + c, W, vf, cn, D, of + r * D);
-    if (r < R) weighted_values<1>(s + r * W + c, W, vf, cn, D, of + r * D);
+    for (; r + 2 <= R; r += 2) weighted_values<2>(s + r * W + c, W, vb, cn, D, of + r * D);
+    if (r < R) weighted_values<1>(s + r * W + c, W, vb, cn, D, of + r * D);
   }
 }
 
