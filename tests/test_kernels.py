@@ -153,7 +153,7 @@ for dtype in (torch.float32, torch.bfloat16):
             assert err < (1e-5 if dtype == torch.float32 else 1e-2), (dtype, M, K, float(err))
 import test_kernels  # the attention's cases, against the softmax in float64
 for dtype in (torch.float32, torch.bfloat16):
-    for D in (32, 64, 128):
+    for D in (32, 48, 64, 128):
         test_kernels.test_decode_attention_equals_softmax_attention(dtype, D)
 print("avx2 ok")
 """
