@@ -653,10 +653,51 @@ inline void to_float(const T* src, float* dst, int64_t D) {  // D a multiple of 
   for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
 }
 
+// of [RB, D] (row stride D) += the weights pr [RB] (row stride W) of cn values vf [cn, D], 64 lanes of the output
+// at a time: RB x 4 accumulators, each value vector read once for the RB rows. As in the AVX2 build, full blocks of
+// 64 lanes have their accumulators fixed at compile time, so that they stay in registers (a count of vectors known
+// only at run time sent them to the stack and back for every value); a last block of 16-48 lanes (D = 80, 112)
+// takes the general loop.
+template <int RB>
+inline void weighted_values(const float* pr, int64_t W, const float* vf, int64_t cn, int64_t D, float* of) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) {
+    __m512 acc[RB][4];
+    _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r)
+      _Pragma("GCC unroll 4") for (int cc = 0; cc < 4; ++cc) acc[r][cc] = _mm512_loadu_ps(of + r * D + d0 + cc * 16);
+    for (int64_t t = 0; t < cn; ++t) {
+      __m512 pv[RB];
+      _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r) pv[r] = _mm512_set1_ps(pr[r * W + t]);
+      _Pragma("GCC unroll 4") for (int cc = 0; cc < 4; ++cc) {
+        const __m512 vv = _mm512_loadu_ps(vf + t * D + d0 + cc * 16);
+        _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r) acc[r][cc] = _mm512_fmadd_ps(pv[r], vv, acc[r][cc]);
+      }
+    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r)
+      _Pragma("GCC unroll 4") for (int cc = 0; cc < 4; ++cc) _mm512_storeu_ps(of + r * D + d0 + cc * 16, acc[r][cc]);
+  }
+  for (; d0 < D; d0 += 64) {
+    const int64_t dn = std::min<int64_t>(64, D - d0) / 16;
+    __m512 acc[RB][4];
+    for (int r = 0; r < RB; ++r)
+      for (int64_t cc = 0; cc < dn; ++cc) acc[r][cc] = _mm512_loadu_ps(of + r * D + d0 + cc * 16);
+    for (int64_t t = 0; t < cn; ++t) {
+      __m512 pv[RB];
+      for (int r = 0; r < RB; ++r) pv[r] = _mm512_set1_ps(pr[r * W + t]);
+      for (int64_t cc = 0; cc < dn; ++cc) {
+        const __m512 vv = _mm512_loadu_ps(vf + t * D + d0 + cc * 16);
+        for (int r = 0; r < RB; ++r) acc[r][cc] = _mm512_fmadd_ps(pv[r], vv, acc[r][cc]);
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int64_t cc = 0; cc < dn; ++cc) _mm512_storeu_ps(of + r * D + d0 + cc * 16, acc[r][cc]);
+  }
+}
+
 // one (row, kv head): R query rows qf [R, D] (float32: the group's heads x the step's queries) against the kv
 // head's keys and values k, v [S_max, D] (row stride D), query r seeing keys [lo[r], hi[r]] and writing out[r]
-// (D values in T), sink[r] its head's sink logit (or none). Keys and values are read and converted once for every
-// query of the group.
+// (D values in T), sink[r] its head's sink logit (or none). Keys and values are read once for every query of the
+// group (bf16 ones converted to float32 once, float32 ones read where they are in the cache).
 template <typename T>
 void attend_group(const float* qf, int64_t R, int64_t D, const T* k, const T* v, const int64_t* lo,
                   const int64_t* hi, float scale, const float* sink, T* const* out, std::vector<float>& buf) {
@@ -679,22 +720,32 @@ void attend_group(const float* qf, int64_t R, int64_t D, const T* k, const T* v,
       _mm_prefetch(reinterpret_cast<const char*>(k + (j + 16) * D) + x, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(v + j * D) + x, _MM_HINT_T1);
     }
-    for (int jj = 0; jj < 4; ++jj) to_float(k + (j + jj) * D, kf + jj * D, D);
+    const float* kb = kf;  // the 4 keys in float32: float32 keys read where they are, bf16 converted
+    if constexpr (std::is_same_v<T, float>) {
+      kb = k + j * D;
+    } else {
+      for (int jj = 0; jj < 4; ++jj) to_float(k + (j + jj) * D, kf + jj * D, D);
+    }
     for (int64_t r = 0; r < R; ++r) {
       __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
       for (int64_t d = 0; d < D; d += 16) {
         __m512 qv = _mm512_loadu_ps(qf + r * D + d);
-        for (int jj = 0; jj < 4; ++jj) acc[jj] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + jj * D + d), acc[jj]);
+        for (int jj = 0; jj < 4; ++jj) acc[jj] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kb + jj * D + d), acc[jj]);
       }
       lane_sums<4>(acc, s + r * W + (j - j0));
     }
   }
   for (; j < S; ++j) {
-    to_float(k + j * D, kf, D);
+    const float* kb = kf;
+    if constexpr (std::is_same_v<T, float>) {
+      kb = k + j * D;
+    } else {
+      to_float(k + j * D, kf, D);
+    }
     for (int64_t r = 0; r < R; ++r) {
       __m512 acc = _mm512_setzero_ps();
       for (int64_t d = 0; d < D; d += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + r * D + d), _mm512_loadu_ps(kf + d), acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + r * D + d), _mm512_loadu_ps(kb + d), acc);
       s[r * W + (j - j0)] = _mm512_reduce_add_ps(acc);
     }
   }
@@ -710,25 +761,19 @@ void attend_group(const float* qf, int64_t R, int64_t D, const T* k, const T* v,
     for (int64_t t = 0; t < a; ++t) sr[t] = 0.0f;
     for (int64_t t = b; t < W; ++t) sr[t] = 0.0f;
   }
-  // out = p @ v: values converted a chunk of CH keys at a time, then every query's weighted sum over the chunk
+  // out = p @ v: a chunk of CH values at a time, every query's weighted sum over it (weighted_values)
   for (int64_t x = 0; x < R * D; ++x) of[x] = 0.0f;
   for (int64_t c0 = 0; c0 < W; c0 += CH) {
     const int64_t cn = std::min(CH, W - c0);
-    for (int64_t t = 0; t < cn; ++t) to_float(v + (j0 + c0 + t) * D, vf + t * D, D);
-    for (int64_t r = 0; r < R; ++r) {
-      const float* pr = s + r * W + c0;
-      for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 4 x 16 lanes of the output in registers
-        const int64_t dn = std::min<int64_t>(64, D - d0) / 16;
-        __m512 acc[4];
-        for (int64_t cc = 0; cc < dn; ++cc) acc[cc] = _mm512_loadu_ps(of + r * D + d0 + cc * 16);
-        for (int64_t t = 0; t < cn; ++t) {
-          __m512 pv = _mm512_set1_ps(pr[t]);
-          for (int64_t cc = 0; cc < dn; ++cc)
-            acc[cc] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vf + t * D + d0 + cc * 16), acc[cc]);
-        }
-        for (int64_t cc = 0; cc < dn; ++cc) _mm512_storeu_ps(of + r * D + d0 + cc * 16, acc[cc]);
-      }
+    const float* vb = vf;  // float32 values read where they are, bf16 ones converted a chunk at a time
+    if constexpr (std::is_same_v<T, float>) {
+      vb = v + (j0 + c0) * D;
+    } else {
+      for (int64_t t = 0; t < cn; ++t) to_float(v + (j0 + c0 + t) * D, vf + t * D, D);
     }
+    int64_t r = 0;  // 2 rows at once: each value vector read once for both
+    for (; r + 2 <= R; r += 2) weighted_values<2>(s + r * W + c0, W, vb, cn, D, of + r * D);
+    if (r < R) weighted_values<1>(s + r * W + c0, W, vb, cn, D, of + r * D);
   }
   for (int64_t r = 0; r < R; ++r)
     for (int64_t d = 0; d < D; ++d) out[r][d] = T(of[r * D + d]);  // rounded once
