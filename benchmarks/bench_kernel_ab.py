@@ -91,11 +91,11 @@ def attention_rows(a, ops) -> list[dict]:
                     def call(op, q=q, kc=kc, vc=vc, r=r, pos=pos):
                         return op.decode_attention(q, kc, vc, r, pos, 0, 0.125, empty)
 
-                    ref = call(ops[0])
-                    same = [bool(torch.equal(call(op), ref)) for op in ops]
-                    for op in ops[1:]:
-                        got = call(op).double()
-                        assert (got - ref.double()).abs().max() <= 1e-2 * ref.double().abs().max(), \
+                    outs = [call(op) for op in ops]  # each version's output once
+                    ref = outs[0].double()
+                    same = [bool(torch.equal(o, outs[0])) for o in outs]
+                    for o in outs[1:]:
+                        assert (o.double() - ref).abs().max() <= 1e-2 * ref.abs().max(), \
                             "the versions' attention differs"
                     ts = [[] for _ in ops]
                     calls = 200 if batch == 1 else 40

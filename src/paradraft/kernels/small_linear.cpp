@@ -598,6 +598,50 @@ at::Tensor small_linear(const at::Tensor& x, at::TensorList weights) {
   return y;
 }
 
+// ---- the attention's weighted sum of values, shared by the AVX-512 and the AVX2 build (V: the build's `Lanes`)
+// of [RB, D] (row stride D) += the weights pr [RB] (row stride W) of cn values vf [cn, D], 4 vectors of the output
+// (64 lanes in AVX-512, 32 in AVX2) at a time: RB x 4 accumulators, each value vector read once for the RB rows.
+// Full blocks of 4 vectors have their accumulators fixed at compile time, so that they stay in registers (with the
+// count of a block's vectors known only at run time they went to the stack and back for every value); a last block
+// of 1-3 vectors (D = 48 in AVX2, 80 or 112 in AVX-512) takes the general loop.
+template <typename V, int RB>
+inline void weighted_values(const float* pr, int64_t W, const float* vf, int64_t cn, int64_t D, float* of) {
+  using vec = typename V::vec;
+  constexpr int64_t L = V::N;
+  int64_t d0 = 0;
+  for (; d0 + 4 * L <= D; d0 += 4 * L) {
+    vec acc[RB][4];
+    _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r)
+      _Pragma("GCC unroll 4") for (int cc = 0; cc < 4; ++cc) acc[r][cc] = V::load(of + r * D + d0 + cc * L);
+    for (int64_t t = 0; t < cn; ++t) {
+      vec pv[RB];
+      _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r) pv[r] = V::set1(pr[r * W + t]);
+      _Pragma("GCC unroll 4") for (int cc = 0; cc < 4; ++cc) {
+        const vec vv = V::load(vf + t * D + d0 + cc * L);
+        _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r) acc[r][cc] = V::fma(pv[r], vv, acc[r][cc]);
+      }
+    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r)
+      _Pragma("GCC unroll 4") for (int cc = 0; cc < 4; ++cc) V::store(of + r * D + d0 + cc * L, acc[r][cc]);
+  }
+  for (; d0 < D; d0 += 4 * L) {
+    const int64_t dn = std::min<int64_t>(4 * L, D - d0) / L;
+    vec acc[RB][4];
+    for (int r = 0; r < RB; ++r)
+      for (int64_t cc = 0; cc < dn; ++cc) acc[r][cc] = V::load(of + r * D + d0 + cc * L);
+    for (int64_t t = 0; t < cn; ++t) {
+      vec pv[RB];
+      for (int r = 0; r < RB; ++r) pv[r] = V::set1(pr[r * W + t]);
+      for (int64_t cc = 0; cc < dn; ++cc) {
+        const vec vv = V::load(vf + t * D + d0 + cc * L);
+        for (int r = 0; r < RB; ++r) acc[r][cc] = V::fma(pv[r], vv, acc[r][cc]);
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int64_t cc = 0; cc < dn; ++cc) V::store(of + r * D + d0 + cc * L, acc[r][cc]);
+  }
+}
+
 #ifdef __AVX512F__
 // ---- decode_attention: the attention of a decoding or verification step
 // Few queries per row (1..16) against a row's cached keys: scores, softmax and the weighted sum of values in one
@@ -653,46 +697,15 @@ inline void to_float(const T* src, float* dst, int64_t D) {  // D a multiple of 
   for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
 }
 
-// of [RB, D] (row stride D) += the weights pr [RB] (row stride W) of cn values vf [cn, D], 64 lanes of the output
-// at a time: RB x 4 accumulators, each value vector read once for the RB rows. As in the AVX2 build, full blocks of
-// 64 lanes have their accumulators fixed at compile time, so that they stay in registers (a count of vectors known
-// only at run time sent them to the stack and back for every value); a last block of 16-48 lanes (D = 80, 112)
-// takes the general loop.
-template <int RB>
-inline void weighted_values(const float* pr, int64_t W, const float* vf, int64_t cn, int64_t D, float* of) {
-  int64_t d0 = 0;
-  for (; d0 + 64 <= D; d0 += 64) {
-    __m512 acc[RB][4];
-    _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r)
-      _Pragma("GCC unroll 4") for (int cc = 0; cc < 4; ++cc) acc[r][cc] = _mm512_loadu_ps(of + r * D + d0 + cc * 16);
-    for (int64_t t = 0; t < cn; ++t) {
-      __m512 pv[RB];
-      _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r) pv[r] = _mm512_set1_ps(pr[r * W + t]);
-      _Pragma("GCC unroll 4") for (int cc = 0; cc < 4; ++cc) {
-        const __m512 vv = _mm512_loadu_ps(vf + t * D + d0 + cc * 16);
-        _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r) acc[r][cc] = _mm512_fmadd_ps(pv[r], vv, acc[r][cc]);
-      }
-    }
-    _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r)
-      _Pragma("GCC unroll 4") for (int cc = 0; cc < 4; ++cc) _mm512_storeu_ps(of + r * D + d0 + cc * 16, acc[r][cc]);
-  }
-  for (; d0 < D; d0 += 64) {
-    const int64_t dn = std::min<int64_t>(64, D - d0) / 16;
-    __m512 acc[RB][4];
-    for (int r = 0; r < RB; ++r)
-      for (int64_t cc = 0; cc < dn; ++cc) acc[r][cc] = _mm512_loadu_ps(of + r * D + d0 + cc * 16);
-    for (int64_t t = 0; t < cn; ++t) {
-      __m512 pv[RB];
-      for (int r = 0; r < RB; ++r) pv[r] = _mm512_set1_ps(pr[r * W + t]);
-      for (int64_t cc = 0; cc < dn; ++cc) {
-        const __m512 vv = _mm512_loadu_ps(vf + t * D + d0 + cc * 16);
-        for (int r = 0; r < RB; ++r) acc[r][cc] = _mm512_fmadd_ps(pv[r], vv, acc[r][cc]);
-      }
-    }
-    for (int r = 0; r < RB; ++r)
-      for (int64_t cc = 0; cc < dn; ++cc) _mm512_storeu_ps(of + r * D + d0 + cc * 16, acc[r][cc]);
-  }
-}
+// the float32 vectors of this build for weighted_values: 16 lanes
+struct Lanes {
+  using vec = __m512;
+  static constexpr int64_t N = 16;
+  static vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, vec a) { _mm512_storeu_ps(p, a); }
+  static vec set1(float x) { return _mm512_set1_ps(x); }
+  static vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+};
 
 // one (row, kv head): R query rows qf [R, D] (float32: the group's heads x the step's queries) against the kv
 // head's keys and values k, v [S_max, D] (row stride D), query r seeing keys [lo[r], hi[r]] and writing out[r]
@@ -772,8 +785,8 @@ void attend_group(const float* qf, int64_t R, int64_t D, const T* k, const T* v,
       for (int64_t t = 0; t < cn; ++t) to_float(v + (j0 + c0 + t) * D, vf + t * D, D);
     }
     int64_t r = 0;  // 2 rows at once: each value vector read once for both
-    for (; r + 2 <= R; r += 2) weighted_values<2>(s + r * W + c0, W, vb, cn, D, of + r * D);
-    if (r < R) weighted_values<1>(s + r * W + c0, W, vb, cn, D, of + r * D);
+    for (; r + 2 <= R; r += 2) weighted_values<Lanes, 2>(s + r * W + c0, W, vb, cn, D, of + r * D);
+    if (r < R) weighted_values<Lanes, 1>(s + r * W + c0, W, vb, cn, D, of + r * D);
   }
   for (int64_t r = 0; r < R; ++r)
     for (int64_t d = 0; d < D; ++d) out[r][d] = T(of[r * D + d]);  // rounded once
@@ -833,46 +846,15 @@ inline void scores_4keys(const float* qf, const float* kf, int64_t D, float* s, 
   for (int r = 0; r < RB; ++r) lane_sums<4>(acc[r], s + r * W);
 }
 
-// of [RB, D] (row stride D) += the weights pr [RB] (row stride W) of cn values vf [cn, D], 32 lanes of the output
-// at a time: RB x 4 accumulators, each value vector read once for the RB rows. Full blocks of 32 lanes have their
-// 4 accumulators per row fixed at compile time, so that they stay in registers (with the count of a block's vectors
-// known only at run time they went to the stack and back for every value); a last block of 8-24 lanes takes the
-// general loop.
-template <int RB>
-inline void weighted_values(const float* pr, int64_t W, const float* vf, int64_t cn, int64_t D, float* of) {
-  int64_t d0 = 0;
-  for (; d0 + 32 <= D; d0 += 32) {
-    __m256 acc[RB][4];
-    _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r)
-      _Pragma("GCC unroll 4") for (int cc = 0; cc < 4; ++cc) acc[r][cc] = _mm256_loadu_ps(of + r * D + d0 + cc * 8);
-    for (int64_t t = 0; t < cn; ++t) {
-      __m256 pv[RB];
-      _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r) pv[r] = _mm256_set1_ps(pr[r * W + t]);
-      _Pragma("GCC unroll 4") for (int cc = 0; cc < 4; ++cc) {
-        const __m256 vv = _mm256_loadu_ps(vf + t * D + d0 + cc * 8);
-        _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r) acc[r][cc] = _mm256_fmadd_ps(pv[r], vv, acc[r][cc]);
-      }
-    }
-    _Pragma("GCC unroll 4") for (int r = 0; r < RB; ++r)
-      _Pragma("GCC unroll 4") for (int cc = 0; cc < 4; ++cc) _mm256_storeu_ps(of + r * D + d0 + cc * 8, acc[r][cc]);
-  }
-  for (; d0 < D; d0 += 32) {
-    const int64_t dn = std::min<int64_t>(32, D - d0) / 8;
-    __m256 acc[RB][4];
-    for (int r = 0; r < RB; ++r)
-      for (int64_t cc = 0; cc < dn; ++cc) acc[r][cc] = _mm256_loadu_ps(of + r * D + d0 + cc * 8);
-    for (int64_t t = 0; t < cn; ++t) {
-      __m256 pv[RB];
-      for (int r = 0; r < RB; ++r) pv[r] = _mm256_set1_ps(pr[r * W + t]);
-      for (int64_t cc = 0; cc < dn; ++cc) {
-        const __m256 vv = _mm256_loadu_ps(vf + t * D + d0 + cc * 8);
-        for (int r = 0; r < RB; ++r) acc[r][cc] = _mm256_fmadd_ps(pv[r], vv, acc[r][cc]);
-      }
-    }
-    for (int r = 0; r < RB; ++r)
-      for (int64_t cc = 0; cc < dn; ++cc) _mm256_storeu_ps(of + r * D + d0 + cc * 8, acc[r][cc]);
-  }
-}
+// the float32 vectors of this build for weighted_values: 8 lanes
+struct Lanes {
+  using vec = __m256;
+  static constexpr int64_t N = 8;
+  static vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, vec a) { _mm256_storeu_ps(p, a); }
+  static vec set1(float x) { return _mm256_set1_ps(x); }
+  static vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+};
 
 // the attention of R query rows (qf [R, D] float32: the group's heads x the step's queries) over the keys [c0, c1)
 // of one kv head, k, v [S_max, D] (row stride D): query r sees the keys [lo[r], hi[r]] of it. Not normalized, so
@@ -968,8 +950,8 @@ void attend_chunk(const float* qf, int64_t R, int64_t D, const T* k, const T* v,
       for (int64_t t = 0; t < cn; ++t) to_float(v + (j0 + c + t) * D, vf + t * D, D);
     }
     int64_t r = 0;
-    for (; r + 2 <= R; r += 2) weighted_values<2>(s + r * W + c, W, vb, cn, D, of + r * D);
-    if (r < R) weighted_values<1>(s + r * W + c, W, vb, cn, D, of + r * D);
+    for (; r + 2 <= R; r += 2) weighted_values<Lanes, 2>(s + r * W + c, W, vb, cn, D, of + r * D);
+    if (r < R) weighted_values<Lanes, 1>(s + r * W + c, W, vb, cn, D, of + r * D);
   }
 }
 
