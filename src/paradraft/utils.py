@@ -80,7 +80,12 @@ def compile_step(method, device="cpu"):
     own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
     own.__kwdefaults__, own.__qualname__ = f.__kwdefaults__, f.__qualname__
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-               "cpp.min_chunk_size": SERIAL_ELEMENTS // 2}
+               "cpp.min_chunk_size": SERIAL_ELEMENTS // 2,
+               # no size, stride and alignment asserts in the generated code (~140 per call of a group of 10 layers:
+               # every input and every projection's output): the guards already check the inputs, and the kernels'
+               # outputs have their fake's shapes (kernels._register_fake). Measured on the 2-core AMX host,
+               # interleaved in one process: a bf16 plain step 16.7 against 17.5 ms, a K=3 pass 20.7 against 21.8
+               "size_asserts": False, "alignment_asserts": False}
     if torch.device(device).type == "cpu" and os.environ.get(CPP_WRAPPER_ENV, "off").lower() == "on":
         options["cpp_wrapper"] = True
     return torch.compile(types.MethodType(own, method.__self__), dynamic=None, options=options)
