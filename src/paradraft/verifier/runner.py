@@ -93,8 +93,8 @@ class VerifierRunner:
         already holds it), added to `compile_s` (every step that compiled a graph: utils.graphs_compiled)."""
         # (utils.compile_step: this runner's own code, its model's modules unguarded). One-token steps (decoding)
         # and multi-token steps (verification) each have their own, so that neither checks the other's guards first
-        self._compiled = {one: (compile_step(self._layers, self.device), compile_step(self._head, self.device))
-                          for one in (True, False)}
+        self._compiled = {one: (compile_step(self._layers, self.device), compile_step(self._head, self.device),
+                                compile_step(self._inputs, self.device)) for one in (True, False)}
         self._mark_batch_dynamic()
 
     def _mark_batch_dynamic(self) -> None:
@@ -210,47 +210,64 @@ class VerifierRunner:
             return logits[rows], aux[rows]
         if rows is None:
             rows = torch.arange(Bq, device=self.device)
-        start = self.lengths[rows]  # [B']
-        pos = start[:, None] + torch.arange(n, device=self.device)[None]  # [B', n]
-        S = int(pos.max()) + 1  # keys in use
+        all_rows = Bq == B  # rows are then 0..B-1 in order
+        start = self.lengths.clone() if all_rows else self.lengths[rows]  # [B']
+        S = int(start.max()) + n  # keys in use
         if S > self.max_len:
             raise RuntimeError(f"sequence longer than the engine's max_len {self.max_len}")
         self._zero_to(S)
-        h = self.inner.embed_tokens(tokens)  # [B', n, H]
-        cos, sin = self.inner.rotary_emb(h, pos)  # [B', n, D] (or [B', n, D/2]: GPT-OSS rotates halves)
-        if cos.shape[-1] * 2 == self.hd:
-            cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # the same rotation, rotate_half form
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-        # mask [B', 1, n, S]: key j visible to query i when j <= pos[i] (its own cache row, causal)
-        key_pos = torch.arange(S, device=self.device)[None, None, :]
-        causal = (key_pos <= pos[:, :, None])[:, None]
-        ridx = rows[:, None].expand(Bq, n)
         compiled = self._compiled[n == 1] if self._compiled and n <= 16 and not last_only else None  # (a prefill
         # stays eager)
-        all_rows = Bq == B
         graphs = graphs_compiled() if compiled else 0
         t0 = time.perf_counter()
         if compiled:
-            for t in (h, cos, sin, pos, rows, ridx, causal):  # rows and keys in use vary; tokens per row do not
+            for t in (tokens, start, rows):  # rows and keys in use vary; tokens per row do not
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-            torch._dynamo.maybe_mark_dynamic(causal, 3)
-            torch._dynamo.maybe_mark_dynamic(key_pos, 2)
+        h, cos, sin, pos = (compiled[2] if compiled else self._inputs)(tokens, start)
+        key_pos = causal = None
+        if not (self.attention_kernel and n <= kernels.ATTENTION_QUERIES):  # the attention reads a mask (_layer)
+            # mask [B', 1, n, S]: key j visible to query i when j <= pos[i] (its own cache row, causal)
+            key_pos = torch.arange(S, device=self.device)[None, None, :]
+            causal = (key_pos <= pos[:, :, None])[:, None]
+        ridx = rows[:, None].expand(Bq, n)
+        if compiled:
+            for t in (h, cos, sin, pos, ridx) + (() if causal is None else (causal,)):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            if causal is not None:
+                torch._dynamo.maybe_mark_dynamic(causal, 3)
+                torch._dynamo.maybe_mark_dynamic(key_pos, 2)
         last = None
         if last_only:  # [B']: each row's last real position
             last = torch.full((Bq,), n - 1, device=self.device) if counts is None else counts.to(self.device) - 1
         logits, aux = self._body(h, cos, sin, pos, rows, ridx, key_pos, causal, self.k, self.v, last, all_rows,
-                                 *(compiled or ()))
+                                 *(compiled[:2] if compiled else ()))
         if compiled and graphs_compiled() > graphs:  # this step compiled (or recompiled) a graph
             self.compile_s += time.perf_counter() - t0
-        self.lengths[rows] = start + (n if counts is None else counts.to(self.device))
+        advance = n if counts is None else counts.to(self.device)
+        if all_rows:
+            self.lengths += advance
+        else:
+            self.lengths[rows] = start + advance
         return logits, aux
+
+    def _inputs(self, tokens, start):
+        """A step's inputs: tokens [B', n] at positions start [B'] + 0..n-1 -> (embeddings [B', n, H], cos and sin
+        [B', n, 1, D] of the rotation, positions [B', n]). Compiled with the steps (compile): ~10 small operations
+        that ran eagerly, each on caches the step's weights had just streamed through."""
+        pos = start[:, None] + torch.arange(tokens.shape[1], device=start.device)[None]  # [B', n]
+        h = self.inner.embed_tokens(tokens)  # [B', n, H]
+        cos, sin = self.inner.rotary_emb(h, pos)  # [B', n, D] (or [B', n, D/2]: GPT-OSS rotates halves)
+        if cos.shape[-1] * 2 == self.hd:
+            cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # the same rotation, rotate_half form
+        return h, cos[:, :, None, :], sin[:, :, None, :], pos
 
     def _body(self, h, cos, sin, pos, rows, ridx, key_pos, causal, ks, vs, last: torch.Tensor | None,
               all_rows: bool, layer=None, head=None):
         """The layers and the logits. h [B', n, H], cos/sin [B', n, 1, D], pos/ridx [B', n], rows [B'],
-        key_pos [1, 1, S], causal [B', 1, n, S], the caches ks/vs [B, KVH, S_max, D] written in place, last [B']
-        (each row's position whose logits alone are wanted) or None (every position's)
-        -> (logits [B', n or 1, V] float32, aux [B', n, len(aux) * H]). `layer`/`head`: compiled `_layers`/`_head`."""
+        key_pos [1, 1, S] and causal [B', 1, n, S] (None where the attention needs no mask), the caches ks/vs
+        [B, KVH, S_max, D] written in place, last [B'] (each row's position whose logits alone are wanted) or None
+        (every position's) -> (logits [B', n or 1, V] float32, aux [B', n, len(aux) * H]).
+        `layer`/`head`: compiled `_layers`/`_head`."""
         layer, head = layer or self._layers, head or self._head
         auxes = []
         g = self.group
