@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_engine_limit import host  # benchmarks/ (the script's own directory)
 
 from paradraft import kernels
 from paradraft.decode.sampling import greedy
@@ -68,17 +69,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps({"benchmark": "cold_ops", "date": time.strftime("%Y-%m-%d %H:%M"),
-                               "host": _host(), "args": vars(args), "rows": rows}, indent=1))
+                               "host": host(), "args": vars(args), "rows": rows}, indent=1))
     tmp.replace(out)
-
-
-def _host() -> dict:
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_engine_limit import host
-
-    return host()
 
 
 if __name__ == "__main__":

@@ -211,7 +211,7 @@ class VerifierRunner:
         if rows is None:
             rows = torch.arange(Bq, device=self.device)
         all_rows = Bq == B  # rows are then 0..B-1 in order
-        start = self.lengths.clone() if all_rows else self.lengths[rows]  # [B']
+        start = self.lengths[rows]  # [B']
         S = int(start.max()) + n  # keys in use
         if S > self.max_len:
             raise RuntimeError(f"sequence longer than the engine's max_len {self.max_len}")
