@@ -15,7 +15,8 @@ processes at once):
               in the default --configs)
 for bf16 and float32: plain decoding tokens/s (batch 1, through Engine.generate, prefill included), the time of
 one plain step and of one K=3 speculative pass (draft + verify K+1, per pass, from the engine's own timers), their
-ratio, and a profile of the top operations of a plain step. The bandwidth is a 1 GiB float32 read (median of 7).
+ratio, and a profile of the top operations of a plain step. The bandwidth is the fastest of six reads of 1 GiB
+(a plain streaming read, torch's dot and torch's sum, each on 4 KiB and on 2 MiB pages; medians of 7: `bandwidths`).
 Float32 outputs of every configuration are compared token for token.
 
   python benchmarks/bench_engine_limit.py [--drafter DIR] [--prompts 8] [--max-new-tokens 128] [--repeats 3]
@@ -28,6 +29,7 @@ the drafter learnt (acceptance changes the tokens per pass, not the time of a pa
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -55,16 +57,75 @@ def host() -> dict:
             "avx512_bf16": "avx512_bf16" in flags, "node": platform.node()}
 
 
-def bandwidth_gbs() -> float:
+READ_BYTES = 1 << 30  # what each read of the yardstick reads: 1 GiB, past any cache here
+
+
+def _timed_gbs(read, repeats: int = 7) -> float:
+    """GB/s of `read()` over READ_BYTES: the median of `repeats` after one untimed read."""
+    read()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        read()
+        ts.append(time.perf_counter() - t0)
+    return READ_BYTES / statistics.median(ts) / 1e9
+
+
+def stream_read_op():
+    """benchmarks/stream_read.cpp built (once per host, beside the kernel's builds) and loaded -> its op, or a string
+    saying why not (no AVX2 here, no compiler)."""
+    import hashlib
+
     import torch
 
-    x = torch.ones(1 << 28)  # 1 GiB of float32
-    ts = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        x.sum()
-        ts.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(ts) / 1e9
+    from paradraft import kernels
+    from paradraft.utils import cache_root
+
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    if "avx2" not in flags.split():
+        return "this CPU has no AVX2 (or no /proc/cpuinfo)"
+    source = Path(__file__).with_name("stream_read.cpp")
+    cflags = ["-O3", "-mavx2", "-fopenmp"]  # (-fopenmp: at::parallel_for is inline, its threads come from it)
+    key = hashlib.sha256(source.read_bytes() + repr((cflags, torch.__version__)).encode()).hexdigest()[:16]
+    build = cache_root() / "kernels" / f"stream-read-{key}"
+    try:
+        if (build / "paradraft_bench.so").is_file():
+            torch.ops.load_library(str(build / "paradraft_bench.so"))
+        else:
+            kernels.compile_library("paradraft_bench", source, build, cflags)
+    except Exception as e:  # no compiler or ninja: the torch reads alone
+        return f"stream_read.cpp could not be built ({type(e).__name__}: {str(e).strip()[-200:]})"
+    return torch.ops.paradraft_bench.stream_read
+
+
+def bandwidths() -> dict:
+    """The memory's bandwidth to three reads of the same 1 GiB of float32, on 4 KiB pages and on 2 MiB pages (where
+    the engine keeps its weights, kernels.on_huge_pages): a plain streaming read (benchmarks/stream_read.cpp: loads
+    and a prefetch, nothing else), torch's dot of its two halves (MKL) and torch's sum, GB/s each as
+    "<read>_<pages>"; "limit_gbs": the fastest, the yardstick of the limit. Until the thirteenth run the yardstick
+    was torch's sum on 4 KiB pages alone, which computes as it reads: on the 2-core AMX host 17-21 GB/s, where the
+    streaming read from 2 MiB pages reached 24-37 (BENCHMARKS.md, "The yardstick")."""
+    import torch
+
+    from paradraft import kernels
+
+    op = stream_read_op()
+    out = {} if callable(op) else {"stream_read_why_not": op}
+    x4k = torch.ones(READ_BYTES // 4)
+    x2m = kernels.on_huge_pages([x4k])[0]  # (x4k itself where there are no 2 MiB pages)
+    for pages, x in (("4k", x4k), ("2m", x2m if x2m.data_ptr() != x4k.data_ptr() else None)):
+        if x is None:  # no 2 MiB pages here
+            continue
+        half = x.numel() // 2
+        out[f"torch_sum_{pages}"] = _timed_gbs(x.sum)
+        out[f"torch_dot_{pages}"] = _timed_gbs(functools.partial(torch.dot, x[:half], x[half:]))
+        if callable(op):
+            out[f"stream_read_{pages}"] = _timed_gbs(functools.partial(op, x))
+    out["limit_gbs"] = max(v for v in out.values() if isinstance(v, float))
+    return out
 
 
 def one(args) -> dict:
@@ -143,7 +204,8 @@ def main() -> None:
 
     from paradraft.verifier import load_verifier
 
-    bw = bandwidth_gbs()
+    reads = bandwidths()
+    bw = reads["limit_gbs"]
     rows = []
     for dtype in args.dtypes:
         m, _ = load_verifier("smollm2-135m", dtype=getattr(torch, dtype))
@@ -170,7 +232,9 @@ def main() -> None:
     for r in rows:
         r.pop("outputs")
         r.pop("spec_outputs")
-    lines = [f"bandwidth {bw:.1f} GB/s (1 GiB float32 read); {host()['cpu']}, {os.cpu_count()} cores",
+    each = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in reads.items()
+                     if isinstance(v, float) and k != "limit_gbs")
+    lines = [f"bandwidth {bw:.1f} GB/s, the fastest read of 1 GiB ({each}); {host()['cpu']}, {os.cpu_count()} cores",
              "| dtype | engine | plain tokens/s | % of limit | plain step | K=3 pass | pass / step | compile s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -183,6 +247,7 @@ def main() -> None:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps({"benchmark": "engine_limit", "date": time.strftime("%Y-%m-%d %H:%M"),
                                              "commit": commit, "host": host(), "bandwidth_gbs": bw,
+                                             "bandwidth_reads": reads,
                                              "args": {k: v for k, v in vars(args).items() if k not in ("config",)},
                                              "rows": rows, "table": md}, indent=2) + "\n")
     print(md)
