@@ -14,10 +14,8 @@ Microseconds per operation, to JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from bench_engine_limit import host  # benchmarks/ (the script's own directory)
@@ -25,6 +23,7 @@ from bench_engine_limit import host  # benchmarks/ (the script's own directory)
 from paradraft import kernels
 from paradraft.decode.sampling import greedy
 from paradraft.decode.verify import greedy_accept
+from paradraft.utils import write_json
 
 
 def main() -> None:
@@ -65,12 +64,8 @@ def main() -> None:
         row["cold_over_hot"] = row["cold_us"] / row["hot_us"]
         print(f"{row['op']:36s} hot {row['hot_us']:7.1f} us  cold {row['cold_us']:7.1f} us  "
               f"{row['cold_over_hot']:.1f}x")
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps({"benchmark": "cold_ops", "date": time.strftime("%Y-%m-%d %H:%M"),
-                               "host": host(), "args": vars(args), "rows": rows}, indent=1))
-    tmp.replace(out)
+    write_json(args.output, {"benchmark": "cold_ops", "date": time.strftime("%Y-%m-%d %H:%M"), "host": host(),
+                             "args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -198,6 +198,7 @@ def main() -> None:
         return
     import torch
 
+    from paradraft.utils import write_json
     from paradraft.verifier import load_verifier
 
     reads = bandwidths()
@@ -240,12 +241,10 @@ def main() -> None:
                      f"{r['spec_step_over_plain_step']:.2f} | {r['compile_s']:.1f} |")
     md = "\n".join(lines)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps({"benchmark": "engine_limit", "date": time.strftime("%Y-%m-%d %H:%M"),
-                                             "commit": commit, "host": host(), "bandwidth_gbs": bw,
-                                             "bandwidth_reads": reads,
-                                             "args": {k: v for k, v in vars(args).items() if k not in ("config",)},
-                                             "rows": rows, "table": md}, indent=2) + "\n")
+    write_json(args.output, {"benchmark": "engine_limit", "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit,
+                             "host": host(), "bandwidth_gbs": bw, "bandwidth_reads": reads,
+                             "args": {k: v for k, v in vars(args).items() if k not in ("config",)},
+                             "rows": rows, "table": md})
     print(md)
 
 
